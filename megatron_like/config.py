@@ -1,0 +1,583 @@
+"""Typed configuration: the single source of truth for every command-line flag.
+
+Each field of the dataclasses below becomes one Megatron-style flag: ``num_layers`` -> ``--num-layers``.
+A boolean that defaults to False becomes a switch (``--sequence-parallel``); one that defaults to True
+becomes its negation (``load_optim`` -> ``--no-load-optim``). The docstring under a field is its ``--help``.
+
+Validation happens in :meth:`Config.validate`, before any process group starts, and raises
+:class:`ConfigError` with one line naming the flag, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import math
+import os
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+class ConfigError(ValueError):
+    """An invalid flag value or combination; the message is one line meant for the user."""
+
+
+def flag_name(field_name: str) -> str:
+    """``tensor_model_parallel_size`` -> ``--tensor-model-parallel-size``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# --------------------------------------------------------------------------------------------------
+# The configuration groups
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT model and its regularization."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Transformer hidden size h."""
+    ffn_hidden_size: Optional[int] = None
+    """Hidden size of the MLP; defaults to 4 * hidden size."""
+    num_attention_heads: int = 4
+    """Number of attention heads."""
+    seq_length: int = 32
+    """Tokens per training sample."""
+    max_position_embeddings: Optional[int] = None
+    """Size of the learned position table; defaults to --seq-length."""
+    vocab_size: Optional[int] = None
+    """Vocabulary size for the mock or null tokenizer (other tokenizers know their own)."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size (fast matmuls, even shards)."""
+    hidden_dropout: float = 0.1
+    """Dropout after the attention and MLP output projections and on the embeddings."""
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of sharing the input embedding."""
+    masked_softmax_fusion: bool = True
+    """Use the fused scale+mask+softmax kernel where one applies (--no-masked-softmax-fusion disables)."""
+    bias_gelu_fusion: bool = True
+    """Use the fused bias+GELU kernel where one applies (--no-bias-gelu-fusion disables)."""
+    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    """Activation recomputation: 'full' recomputes whole layers, 'selective' only the attention core."""
+    recompute_method: Optional[Literal["uniform", "block"]] = None
+    """With full recompute: 'uniform' checkpoints groups of layers, 'block' the first N layers per stage."""
+    recompute_num_layers: Optional[int] = None
+    """With full recompute: layers per group ('uniform') or layers recomputed per stage ('block')."""
+
+    def validate(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            value = getattr(self, name)
+            _require(value > 0, f"{flag_name(name)} {value} must be positive")
+        _require(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"--hidden-size {self.hidden_size} is not divisible by "
+            f"--num-attention-heads {self.num_attention_heads}",
+        )
+        _require(
+            self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
+            f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
+            f"--seq-length {self.seq_length}",
+        )
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            _require(0.0 <= value < 1.0, f"{flag_name(name)} {value} must be in [0, 1)")
+        if self.recompute_granularity == "full":
+            _require(
+                self.recompute_method is not None,
+                "--recompute-granularity full needs --recompute-method uniform or block",
+            )
+        if self.recompute_method is not None:
+            _require(
+                self.recompute_granularity == "full",
+                f"--recompute-method {self.recompute_method} only applies with --recompute-granularity full",
+            )
+            _require(
+                self.recompute_num_layers is not None and self.recompute_num_layers > 0,
+                "--recompute-method needs a positive --recompute-num-layers",
+            )
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+
+@dataclass
+class ParallelConfig:
+    """How the model and the batch are split across processes."""
+
+    tensor_model_parallel_size: int = 1
+    """Processes that split each layer's matmuls (Megatron tensor parallelism)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages that split the layers."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
+    sequence_parallel: bool = False
+    """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks (same as --zero-stage 1)."""
+    zero_stage: int = 0
+    """ZeRO stage over the data-parallel group: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    optimizer_cpu_offload: bool = False
+    """Keep fp32 master weights and Adam state in host memory, stepped by the C++ Adam."""
+    overlap_grad_reduce: bool = False
+    """Launch each gradient bucket's data-parallel reduction during backward as soon as it is ready."""
+    distributed_backend: Optional[Literal["nccl", "gloo"]] = None
+    """Collective backend; by default NCCL when a GPU is present, else gloo."""
+    distributed_timeout_minutes: float = 10.0
+    """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
+
+    def validate(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{flag_name(name)} {value} must be at least 1")
+        _require(self.zero_stage in (0, 1, 2, 3), f"--zero-stage {self.zero_stage} must be 0, 1, 2 or 3")
+        _require(
+            self.distributed_timeout_minutes > 0,
+            f"--distributed-timeout-minutes {self.distributed_timeout_minutes} must be positive",
+        )
+        if self.use_distributed_optimizer and self.zero_stage == 0:
+            self.zero_stage = 1  # Megatron's name for ZeRO-1
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, its learning-rate schedule and gradient clipping."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
+    """Shape of the decay after warmup."""
+    lr_decay_iters: Optional[int] = None
+    """Iterations over which the learning rate decays; defaults to --train-iters."""
+    lr_warmup_iters: int = 0
+    """Iterations of linear warmup from 0 to --lr."""
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of --lr-decay-iters (overrides --lr-warmup-iters)."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and LayerNorm parameters)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+
+    def validate(self) -> None:
+        _require(self.lr >= 0, f"--lr {self.lr} must be non-negative")
+        _require(0 <= self.min_lr <= self.lr, f"--min-lr {self.min_lr} must be in [0, --lr {self.lr}]")
+        _require(self.clip_grad >= 0, f"--clip-grad {self.clip_grad} must be non-negative")
+        _require(self.lr_warmup_iters >= 0, f"--lr-warmup-iters {self.lr_warmup_iters} must be >= 0")
+        if self.lr_warmup_fraction is not None:
+            _require(
+                0 <= self.lr_warmup_fraction <= 1,
+                f"--lr-warmup-fraction {self.lr_warmup_fraction} must be in [0, 1]",
+            )
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"{flag_name(name)} {value} must be in [0, 1)")
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter/activation dtype and fp16 loss scaling."""
+
+    fp16: bool = False
+    """Half-precision (fp16) parameters and activations with fp32 master weights and loss scaling."""
+    bf16: bool = False
+    """bfloat16 parameters and activations with fp32 master weights."""
+    loss_scale: Optional[float] = None
+    """Static fp16 loss scale; without it the scale is dynamic."""
+    initial_loss_scale: float = 2.0**32
+    """First dynamic loss scale."""
+    min_loss_scale: float = 1.0
+    """The dynamic loss scale never backs off below this."""
+    loss_scale_window: int = 1000
+    """Clean iterations before the dynamic loss scale doubles."""
+    hysteresis: int = 2
+    """Overflowing iterations tolerated before the dynamic loss scale halves."""
+
+    def validate(self) -> None:
+        _require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are exclusive: pick one")
+        if self.loss_scale is not None:
+            _require(self.loss_scale > 0, f"--loss-scale {self.loss_scale} must be positive")
+        _require(self.loss_scale_window > 0, f"--loss-scale-window {self.loss_scale_window} must be > 0")
+        _require(self.hysteresis > 0, f"--hysteresis {self.hysteresis} must be positive")
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from and how text becomes tokens."""
+
+    data_path: list[str] = field(default_factory=list)
+    """Dataset prefixes, optionally weighted: 'pathA' or '0.3 pathA 0.7 pathB'."""
+    split: str = "969,30,1"
+    """Train/validation/test proportions of the documents."""
+    mock_data: bool = False
+    """Train on deterministic synthetic tokens (needs --vocab-size); no files are read."""
+    tokenizer_type: Optional[
+        Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"]
+    ] = None
+    """Tokenizer; defaults to NullTokenizer with --mock-data, else GPT2BPETokenizer."""
+    vocab_file: Optional[str] = None
+    """GPT-2 vocabulary (encoder.json); defaults to the original GPT-2 file."""
+    merge_file: Optional[str] = None
+    """GPT-2 merges (vocab.bpe); defaults to the original GPT-2 file."""
+    tokenizer_model: Optional[str] = None
+    """tokenizer.json for the HuggingFaceTokenizer."""
+    data_cache_path: Optional[str] = None
+    """Directory for the cached sample indices; defaults to beside the data."""
+    num_workers: int = 2
+    """Data loader worker processes."""
+
+    def validate(self) -> None:
+        _require(
+            self.mock_data or self.data_path,
+            "no training data: pass --data-path PREFIX (see data_tools/preprocess.py) or --mock-data",
+        )
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--split {self.split!r} must be comma-separated numbers like 969,30,1") from None
+        _require(
+            len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
+            f"--split {self.split!r} needs up to three non-negative numbers with a positive sum",
+        )
+        _require(self.num_workers >= 0, f"--num-workers {self.num_workers} must be >= 0")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, length of the run and the seed."""
+
+    micro_batch_size: int = 2
+    """Samples per forward/backward pass on one data-parallel rank."""
+    global_batch_size: Optional[int] = None
+    """Samples per optimizer step across all data-parallel ranks; defaults to micro batch * dp."""
+    train_iters: int = 10
+    """Optimizer steps to run."""
+    seed: int = 1234
+    """Seed of weights, dropout and data order; runs with the same seed are identical."""
+
+    def validate(self) -> None:
+        _require(self.micro_batch_size > 0, f"--micro-batch-size {self.micro_batch_size} must be positive")
+        _require(self.train_iters >= 0, f"--train-iters {self.train_iters} must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, resuming and leaving a run early."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to."""
+    load: Optional[str] = None
+    """Directory to resume from (its latest_checkpointed_iteration.txt)."""
+    save_interval: Optional[int] = None
+    """Save every this many iterations (and always at the end when --save is given)."""
+    save_optim: bool = True
+    """Save optimizer state (--no-save-optim saves weights only)."""
+    load_optim: bool = True
+    """Load optimizer state (--no-load-optim restarts Adam)."""
+    load_rng: bool = True
+    """Load the RNG states (--no-load-rng reseeds)."""
+    finetune: bool = False
+    """Load weights only and start at iteration 0."""
+    exit_interval: Optional[int] = None
+    """Save and exit when the iteration is a multiple of this."""
+    exit_duration_in_mins: Optional[float] = None
+    """Save and exit after this many minutes of training."""
+
+    def validate(self) -> None:
+        if self.save_interval is not None:
+            _require(self.save_interval > 0, f"--save-interval {self.save_interval} must be positive")
+
+
+@dataclass
+class LoggingConfig:
+    """What is printed and recorded during training."""
+
+    log_interval: int = 100
+    """Print the training log line every this many iterations."""
+    eval_interval: int = 1000
+    """Evaluate on the validation split every this many iterations."""
+    eval_iters: int = 100
+    """Batches per validation run (0 disables evaluation)."""
+    tensorboard_dir: Optional[str] = None
+    """Write TensorBoard scalars here."""
+    wandb_project: Optional[str] = None
+    """Also log to this Weights & Biases project (needs the wandb package)."""
+
+    def validate(self) -> None:
+        _require(self.log_interval > 0, f"--log-interval {self.log_interval} must be positive")
+        _require(self.eval_interval > 0, f"--eval-interval {self.eval_interval} must be positive")
+        _require(self.eval_iters >= 0, f"--eval-iters {self.eval_iters} must be >= 0")
+
+
+@dataclass
+class Config:
+    """Everything a run needs. Groups are plain dataclasses; derived sizes are properties."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    world_size: int = 1
+    """Number of processes, taken from the launcher (WORLD_SIZE)."""
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.training
+        return t.global_batch_size or t.micro_batch_size * self.data_parallel_size
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per pipeline rank (1 without the interleaved schedule)."""
+        p = self.parallel
+        if p.num_layers_per_virtual_pipeline_stage is None:
+            return 1
+        return self.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Vocabulary padded to a multiple of --make-vocab-size-divisible-by * tp (Megatron's rule)."""
+        multiple = self.model.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
+        return int(math.ceil(vocab_size / multiple) * multiple)
+
+    @property
+    def params_dtype_name(self) -> str:
+        if self.precision.fp16:
+            return "float16"
+        if self.precision.bf16:
+            return "bfloat16"
+        return "float32"
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> Config:
+        """Check every group and every cross-group rule; raise ConfigError on the first violation."""
+        for group in self.groups().values():
+            group.validate()
+        m, p, t = self.model, self.parallel, self.training
+        tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+        _require(
+            self.world_size % (tp * pp) == 0,
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
+        )
+        _require(
+            m.num_attention_heads % tp == 0,
+            f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}",
+        )
+        _require(
+            m.hidden_size % tp == 0,
+            f"--hidden-size {m.hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
+        )
+        _require(
+            m.ffn_size % tp == 0,
+            f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+        )
+        if p.sequence_parallel:
+            _require(
+                m.seq_length % tp == 0,
+                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
+                "(needed by --sequence-parallel)",
+            )
+        _require(
+            m.num_layers % pp == 0,
+            f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}",
+        )
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            v = p.num_layers_per_virtual_pipeline_stage
+            _require(v > 0, f"--num-layers-per-virtual-pipeline-stage {v} must be positive")
+            _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+            _require(
+                (m.num_layers // pp) % v == 0,
+                f"--num-layers-per-virtual-pipeline-stage {v} does not divide the "
+                f"{m.num_layers // pp} layers of each pipeline stage (--num-layers {m.num_layers} / "
+                f"--pipeline-model-parallel-size {pp})",
+            )
+        dp = self.data_parallel_size
+        if t.global_batch_size is not None:
+            _require(
+                t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+                f"{t.micro_batch_size} * data-parallel size {dp}",
+            )
+        if self.virtual_pipeline_size > 1:
+            _require(
+                self.num_microbatches % pp == 0,
+                f"the interleaved schedule needs the number of micro batches ({self.num_microbatches} = "
+                f"--global-batch-size / (--micro-batch-size * dp)) to be a multiple of "
+                f"--pipeline-model-parallel-size {pp}",
+            )
+        if self.data.mock_data or self.data.tokenizer_type == "NullTokenizer":
+            _require(
+                m.vocab_size is not None and m.vocab_size > 0,
+                "--mock-data and the NullTokenizer need a positive --vocab-size",
+            )
+        return self
+
+    def groups(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "world_size"}
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> Config:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "world_size":
+                kwargs[f.name] = values.get(f.name, 1)
+                continue
+            group_cls = _group_classes()[f.name]
+            known = {g.name for g in dataclasses.fields(group_cls)}
+            kwargs[f.name] = group_cls(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
+        return cls(**kwargs)
+
+
+def _group_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config) if f.name != "world_size"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Flags generated from the dataclasses
+# --------------------------------------------------------------------------------------------------
+
+
+def field_docstrings(cls: type) -> dict[str, str]:
+    """Map each field of a dataclass to the string literal written under it in the source."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    body = ast.parse(source).body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _unwrap_optional(tp: object) -> object:
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls: type) -> None:
+    arg_group = parser.add_argument_group(group_name, group_cls.__doc__)
+    docs = field_docstrings(group_cls)
+    hints = typing.get_type_hints(group_cls)
+    for f in dataclasses.fields(group_cls):
+        tp = _unwrap_optional(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = docs.get(f.name, "")
+        dest = f"{group_name}.{f.name}"
+        if tp is bool:
+            if default:
+                arg_group.add_argument(
+                    "--no-" + f.name.replace("_", "-"), dest=dest, action="store_false", help=help_text
+                )
+            else:
+                arg_group.add_argument(flag_name(f.name), dest=dest, action="store_true", help=help_text)
+            parser.set_defaults(**{dest: default})
+            continue
+        kwargs: dict = {
+            "dest": dest,
+            "default": default,
+            "metavar": f.name.upper(),
+            "help": f"{help_text} (default: {default})",
+        }
+        if typing.get_origin(tp) is Literal:
+            kwargs["choices"] = list(typing.get_args(tp))
+        elif typing.get_origin(tp) is list:
+            kwargs["nargs"] = "+"
+            kwargs["type"] = typing.get_args(tp)[0]
+        else:
+            kwargs["type"] = tp
+        arg_group.add_argument(flag_name(f.name), **kwargs)
+
+
+def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
+    """An argparse parser with one flag per config field (Megatron-LM's names)."""
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    for group_name, group_cls in _group_classes().items():
+        _add_group_flags(parser, group_name, group_cls)
+    return parser
+
+
+def config_from_namespace(namespace: argparse.Namespace, world_size: int) -> Config:
+    values: dict[str, dict] = {}
+    for dest, value in vars(namespace).items():
+        if "." in dest:
+            group, name = dest.split(".", 1)
+            values.setdefault(group, {})[name] = value
+    config = Config.from_dict(values)
+    config.world_size = world_size
+    return config
+
+
+def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
+    """Parse and validate the command line; the world size comes from the launcher's WORLD_SIZE."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    namespace = build_parser().parse_args(argv)
+    return config_from_namespace(namespace, world_size).validate()
+
+
+def parse_config_or_exit(argv: Optional[list[str]] = None) -> Config:
+    """Like parse_config, but a ConfigError prints one line and exits with status 2 (no traceback)."""
+    try:
+        return parse_config(argv)
+    except ConfigError as error:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
