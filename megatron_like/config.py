@@ -20,7 +20,7 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 
 class ConfigError(ValueError):
@@ -50,15 +50,15 @@ class ModelConfig:
     """Number of transformer layers."""
     hidden_size: int = 64
     """Transformer hidden size h."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """Hidden size of the MLP; defaults to 4 * hidden size."""
     num_attention_heads: int = 4
     """Number of attention heads."""
     seq_length: int = 32
     """Tokens per training sample."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: int | None = None
     """Size of the learned position table; defaults to --seq-length."""
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     """Vocabulary size for the mock or null tokenizer (other tokenizers know their own)."""
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size (fast matmuls, even shards)."""
@@ -76,11 +76,11 @@ class ModelConfig:
     """Use the fused scale+mask+softmax kernel where one applies (--no-masked-softmax-fusion disables)."""
     bias_gelu_fusion: bool = True
     """Use the fused bias+GELU kernel where one applies (--no-bias-gelu-fusion disables)."""
-    recompute_granularity: Optional[Literal["full", "selective"]] = None
+    recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation: 'full' recomputes whole layers, 'selective' only the attention core."""
-    recompute_method: Optional[Literal["uniform", "block"]] = None
+    recompute_method: Literal["uniform", "block"] | None = None
     """With full recompute: 'uniform' checkpoints groups of layers, 'block' the first N layers per stage."""
-    recompute_num_layers: Optional[int] = None
+    recompute_num_layers: int | None = None
     """With full recompute: layers per group ('uniform') or layers recomputed per stage ('block')."""
 
     def validate(self) -> None:
@@ -132,7 +132,7 @@ class ParallelConfig:
     """Processes that split each layer's matmuls (Megatron tensor parallelism)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages that split the layers."""
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
     sequence_parallel: bool = False
     """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
@@ -144,7 +144,7 @@ class ParallelConfig:
     """Keep fp32 master weights and Adam state in host memory, stepped by the C++ Adam."""
     overlap_grad_reduce: bool = False
     """Launch each gradient bucket's data-parallel reduction during backward as soon as it is ready."""
-    distributed_backend: Optional[Literal["nccl", "gloo"]] = None
+    distributed_backend: Literal["nccl", "gloo"] | None = None
     """Collective backend; by default NCCL when a GPU is present, else gloo."""
     distributed_timeout_minutes: float = 10.0
     """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
@@ -172,11 +172,11 @@ class OptimizerConfig:
     """Learning rate at the end of the decay."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "linear"
     """Shape of the decay after warmup."""
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Iterations over which the learning rate decays; defaults to --train-iters."""
     lr_warmup_iters: int = 0
     """Iterations of linear warmup from 0 to --lr."""
-    lr_warmup_fraction: Optional[float] = None
+    lr_warmup_fraction: float | None = None
     """Warmup as a fraction of --lr-decay-iters (overrides --lr-warmup-iters)."""
     weight_decay: float = 0.01
     """Decoupled weight decay (not applied to biases and LayerNorm parameters)."""
@@ -212,7 +212,7 @@ class PrecisionConfig:
     """Half-precision (fp16) parameters and activations with fp32 master weights and loss scaling."""
     bf16: bool = False
     """bfloat16 parameters and activations with fp32 master weights."""
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     """Static fp16 loss scale; without it the scale is dynamic."""
     initial_loss_scale: float = 2.0**32
     """First dynamic loss scale."""
@@ -241,17 +241,15 @@ class DataConfig:
     """Train/validation/test proportions of the documents."""
     mock_data: bool = False
     """Train on deterministic synthetic tokens (needs --vocab-size); no files are read."""
-    tokenizer_type: Optional[
-        Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"]
-    ] = None
+    tokenizer_type: Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"] | None = None
     """Tokenizer; defaults to NullTokenizer with --mock-data, else GPT2BPETokenizer."""
-    vocab_file: Optional[str] = None
+    vocab_file: str | None = None
     """GPT-2 vocabulary (encoder.json); defaults to the original GPT-2 file."""
-    merge_file: Optional[str] = None
+    merge_file: str | None = None
     """GPT-2 merges (vocab.bpe); defaults to the original GPT-2 file."""
-    tokenizer_model: Optional[str] = None
+    tokenizer_model: str | None = None
     """tokenizer.json for the HuggingFaceTokenizer."""
-    data_cache_path: Optional[str] = None
+    data_cache_path: str | None = None
     """Directory for the cached sample indices; defaults to beside the data."""
     num_workers: int = 2
     """Data loader worker processes."""
@@ -279,7 +277,7 @@ class TrainingConfig:
 
     micro_batch_size: int = 2
     """Samples per forward/backward pass on one data-parallel rank."""
-    global_batch_size: Optional[int] = None
+    global_batch_size: int | None = None
     """Samples per optimizer step across all data-parallel ranks; defaults to micro batch * dp."""
     train_iters: int = 10
     """Optimizer steps to run."""
@@ -295,11 +293,11 @@ class TrainingConfig:
 class CheckpointConfig:
     """Saving, resuming and leaving a run early."""
 
-    save: Optional[str] = None
+    save: str | None = None
     """Directory to save checkpoints to."""
-    load: Optional[str] = None
+    load: str | None = None
     """Directory to resume from (its latest_checkpointed_iteration.txt)."""
-    save_interval: Optional[int] = None
+    save_interval: int | None = None
     """Save every this many iterations (and always at the end when --save is given)."""
     save_optim: bool = True
     """Save optimizer state (--no-save-optim saves weights only)."""
@@ -309,9 +307,9 @@ class CheckpointConfig:
     """Load the RNG states (--no-load-rng reseeds)."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
-    exit_interval: Optional[int] = None
+    exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
-    exit_duration_in_mins: Optional[float] = None
+    exit_duration_in_mins: float | None = None
     """Save and exit after this many minutes of training."""
 
     def validate(self) -> None:
@@ -329,9 +327,9 @@ class LoggingConfig:
     """Evaluate on the validation split every this many iterations."""
     eval_iters: int = 100
     """Batches per validation run (0 disables evaluation)."""
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: str | None = None
     """Write TensorBoard scalars here."""
-    wandb_project: Optional[str] = None
+    wandb_project: str | None = None
     """Also log to this Weights & Biases project (needs the wandb package)."""
 
     def validate(self) -> None:
@@ -564,7 +562,7 @@ def config_from_namespace(namespace: argparse.Namespace, world_size: int) -> Con
     return config
 
 
-def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> Config:
+def parse_config(argv: list[str] | None = None, world_size: int | None = None) -> Config:
     """Parse and validate the command line; the world size comes from the launcher's WORLD_SIZE."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -572,7 +570,7 @@ def parse_config(argv: Optional[list[str]] = None, world_size: Optional[int] = N
     return config_from_namespace(namespace, world_size).validate()
 
 
-def parse_config_or_exit(argv: Optional[list[str]] = None) -> Config:
+def parse_config_or_exit(argv: list[str] | None = None) -> Config:
     """Like parse_config, but a ConfigError prints one line and exits with status 2 (no traceback)."""
     try:
         return parse_config(argv)

@@ -1,0 +1,100 @@
+"""Every collective the codebase calls, in one small module.
+
+A backend gap or a torch rename is mended here once. Each function takes the process group to use;
+a ``None`` group means a group of one process, and the call is a no-op (or returns its input).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+Group = Optional[dist.ProcessGroup]  # noqa: UP045 - a runtime alias, not an annotation
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` in place over ``group`` (op: sum, max, min, avg) and return it."""
+    if group is None:
+        return tensor
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op == "avg":
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return tensor.div_(group_size(group))
+    dist.all_reduce(tensor, op=ops[op], group=group)
+    return tensor
+
+
+def all_gather_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``: [.., n, ..] -> [.., world * n, ..]."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    gathered = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _all_gather_flat(gathered, tensor, group=group)
+    return gathered.movedim(0, dim)
+
+
+def reduce_scatter_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Sum over ranks, then keep this rank's chunk along ``dim``: [.., world * n, ..] -> [.., n, ..]."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    tensor = tensor.movedim(dim, 0).contiguous()
+    if tensor.shape[0] % world != 0:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[0]} does not split over {world} ranks")
+    out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_flat(out, tensor, group=group)
+    return out.movedim(0, dim)
+
+
+def split_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk of ``tensor`` along ``dim`` (no communication)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if tensor.shape[dim] % world != 0:
+        raise ValueError(f"dimension {dim} of size {tensor.shape[dim]} does not split over {world} ranks")
+    return tensor.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch.Tensor:
+    """Copy ``tensor`` from ``src_global_rank`` to every rank of ``group`` (in place)."""
+    if group is not None:
+        dist.broadcast(tensor, src=src_global_rank, group=group)
+    return tensor
+
+
+def barrier(group: Group = None) -> None:
+    """Wait for every rank of ``group`` (the whole world when None and distributed)."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+) -> None:
+    """Post all sends and receives (tensor, peer global rank) together and wait for them.
+
+    Batching them lets adjacent pipeline stages exchange in both directions without ordering deadlocks.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
+    if not ops:
+        return
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()

@@ -1,0 +1,163 @@
+"""GPT-2/3 language model built from tensor-parallel layers.
+
+One ``GPTModel`` is one pipeline chunk: the first chunk owns the embeddings, the last owns the final
+LayerNorm and the output layer, and each holds a contiguous range of global layer indices. With one
+process and one stage it is simply the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_like.config import ModelConfig
+from megatron_like.model.transformer import TransformerLayer, layer_norm, sharded_dropout_context
+from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    init_generator,
+    mark_replicated,
+    normal_init,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
+
+WORD_EMBEDDINGS = "embedding.word_embeddings"
+
+
+def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1, vp_rank: int = 0) -> range:
+    """Global layer indices of model chunk ``vp_rank`` on pipeline stage ``pp_rank``.
+
+    Interleaved assignment (Megatron): chunk v of stage p holds block ``v * pp_size + p`` of
+    ``pp_size * vp_size`` equal blocks. Without virtual stages that is block p.
+    """
+    per_chunk = num_layers // (pp_size * vp_size)
+    start = (vp_rank * pp_size + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
+
+
+class GPTEmbedding(nn.Module):
+    """Word + learned position embeddings, then dropout: ids ``[b, s]`` -> ``[s, b, h]``."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, vocab_size: int, seed: int,
+                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp_group, self.sequence_parallel = ps.tp_group, sequence_parallel
+        self.dropout_p = config.hidden_dropout
+        self.word_embeddings = VocabParallelEmbedding(
+            vocab_size, config.hidden_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
+            seed=seed, name=WORD_EMBEDDINGS, dtype=dtype, device=ps.device,
+        )
+        positions = torch.empty(config.max_positions, config.hidden_size)
+        normal_init(config.init_method_std)(positions, init_generator(seed, "embedding.position_embeddings.weight"))
+        self.position_embeddings = nn.Embedding.from_pretrained(
+            positions.to(device=ps.device, dtype=dtype), freeze=False
+        )
+        mark_replicated(self.position_embeddings.weight, sequence_parallel=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # (b, s, h)
+        x = x.transpose(0, 1).contiguous()  # (s, b, h)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # (s / tp, b, h)
+        if self.training and self.dropout_p > 0:
+            with sharded_dropout_context(self.sequence_parallel):
+                x = F.dropout(x, p=self.dropout_p, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    """A chunk of GPT: [embedding] -> layers -> [final LayerNorm -> output layer -> loss].
+
+    Args:
+        vocab_size: the padded vocabulary (a multiple of tp).
+        layers: global indices of the transformer layers this chunk holds.
+        pre_process: this chunk takes token ids (first pipeline stage, first chunk).
+        post_process: this chunk produces the loss or logits (last stage, last chunk).
+    """
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, *, vocab_size: int, seed: int,
+                 layers: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        layers = range(config.num_layers) if layers is None else layers
+        self.config, self.ps = config, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel
+        self.share_embeddings = not config.untie_embeddings_and_output_weights
+        self.vocab_size = vocab_size
+        self.input_tensor: torch.Tensor | None = None
+
+        if pre_process:
+            self.embedding = GPTEmbedding(config, ps, vocab_size, seed, sequence_parallel, dtype)
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, ps, layer, seed, sequence_parallel, dtype) for layer in layers
+        )
+        if post_process:
+            self.final_layernorm = layer_norm(config, sequence_parallel, dtype, ps.device)
+            # Tied weights: the first stage reuses its embedding; a separate last stage holds a copy
+            # drawn from the same generator (so it starts equal) whose gradient is all-reduced with the
+            # first stage's over the embedding group every step.
+            reuse_embedding = self.share_embeddings and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, vocab_size, tp_group=ps.tp_group,
+                init_method=normal_init(config.init_method_std), seed=seed,
+                name=WORD_EMBEDDINGS if self.share_embeddings else "output_layer",
+                bias=False, sequence_parallel=sequence_parallel,
+                skip_weight_param_allocation=reuse_embedding, dtype=dtype, device=ps.device,
+            )
+            if self.share_embeddings and not pre_process:
+                self.output_layer.weight.shared_embedding = True
+
+    def shared_embedding_weight(self) -> nn.Parameter | None:
+        """The weight tied across first and last stage held by this chunk (None if untied/absent)."""
+        if not self.share_embeddings:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Hidden states ``[s, b, h]`` received from the previous pipeline stage (Megatron's hook)."""
+        self.input_tensor = tensor
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this chunk.
+
+        Args:
+            input_ids, position_ids: ``[b, s]`` token ids and positions (first chunk only).
+            labels: ``[b, s]`` next-token ids (last chunk); without them the logits are returned.
+            hidden_states: ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) from the
+                previous pipeline stage (every chunk but the first); defaults to the tensor given to
+                ``set_input_tensor`` by the pipeline schedule.
+        Returns:
+            the per-token loss ``[b, s]`` (float32) on the last chunk when ``labels`` are given, its
+            logits ``[b, s, v / tp]`` otherwise, and the hidden states for the next stage elsewhere.
+        """
+        if self.pre_process:
+            hidden_states = self.embedding(input_ids, position_ids)
+        elif hidden_states is None:
+            hidden_states = self.input_tensor
+        if hidden_states is None:
+            raise ValueError("a chunk without the embedding needs hidden_states from the previous stage")
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        if not self.post_process:
+            return hidden_states
+
+        hidden_states = self.final_layernorm(hidden_states)
+        output_weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        logits = self.output_layer(hidden_states, weight=output_weight)  # (s, b, v / tp)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.ps.tp_group).transpose(0, 1)

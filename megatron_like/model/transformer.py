@@ -1,0 +1,129 @@
+"""The transformer layer of GPT-2/3: pre-LayerNorm, causal self-attention, GELU MLP, residuals.
+
+Activations are ``[s, b, h]`` (sequence first, as in Megatron): with sequence parallelism the
+LayerNorm/dropout regions hold ``[s / tp, b, h]`` and the tensor-parallel linears gather/scatter at
+their boundaries. Inside attention and the MLP each rank holds ``heads / tp`` heads and ``ffn / tp``
+features. Read this file top to bottom like a single-file model.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_like.config import ModelConfig
+from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    get_rng_tracker,
+    mark_replicated,
+    normal_init,
+)
+
+
+def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device):
+    """A LayerNorm whose parameters are tagged for the sequence-parallel gradient all-reduce."""
+    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)
+    mark_replicated(norm.weight, sequence_parallel)
+    mark_replicated(norm.bias, sequence_parallel)
+    return norm
+
+
+def sharded_dropout_context(sequence_parallel: bool):
+    """Dropout on sequence-parallel shards must differ per tp rank: use the tracker's stream there."""
+    return get_rng_tracker().fork() if sequence_parallel else nullcontext()
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention over this rank's ``heads / tp`` heads.
+
+    The fused QKV weight is laid out head by head (``[heads, 3, head_dim]`` output features), so a
+    contiguous tp slice holds whole heads with their q, k and v.
+    """
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
+                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.heads_per_rank = config.num_attention_heads // ps.tp_size
+        self.head_dim = h // config.num_attention_heads
+        self.attention_dropout = config.attention_dropout
+        self.qkv = ColumnParallelLinear(
+            h, 3 * h, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
+            name=f"layers.{layer}.attention.qkv", sequence_parallel=sequence_parallel, dtype=dtype,
+            device=ps.device,
+        )
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        self.proj = RowParallelLinear(
+            h, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
+            name=f"layers.{layer}.attention.proj", sequence_parallel=sequence_parallel, dtype=dtype,
+            device=ps.device,
+        )
+
+    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal: ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``."""
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # (3, b, np, s, hd)
+        q, k, v = qkv.unbind(0)
+        dropout_p = self.attention_dropout if self.training else 0.0
+        # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
+        with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` (or its sequence shard) -> same shape."""
+        return self.proj(self.core_attention(self.qkv(x)))
+
+
+class MLP(nn.Module):
+    """h -> ffn / tp (GELU, tanh approximation as GPT-2) -> h."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
+                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, ffn = config.hidden_size, config.ffn_size
+        self.fc1 = ColumnParallelLinear(
+            h, ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
+            name=f"layers.{layer}.mlp.fc1", sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
+        )
+        scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        self.fc2 = RowParallelLinear(
+            ffn, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
+            name=f"layers.{layer}.mlp.fc2", sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerLayer(nn.Module):
+    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))). ``layer`` is the global layer index."""
+
+    def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
+                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer = layer
+        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.ln1 = layer_norm(config, sequence_parallel, dtype, ps.device)
+        self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype)
+        self.ln2 = layer_norm(config, sequence_parallel, dtype, ps.device)
+        self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
+
+    def dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        with sharded_dropout_context(self.sequence_parallel):
+            return F.dropout(x, p=self.hidden_dropout, training=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> same shape."""
+        x = x + self.dropout(self.attention(self.ln1(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))

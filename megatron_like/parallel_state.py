@@ -1,0 +1,189 @@
+"""The one object that owns the process groups and the device.
+
+Rank layout (DESIGN.md §3): tensor-parallel innermost, then data-parallel, then pipeline outermost::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+Every other module gets its groups and its device from a :class:`ParallelState` that is passed in;
+nothing else in the codebase calls ``torch.distributed.new_group`` or picks a device.
+A ``ParallelState.single_process()`` needs no process group at all: it is what the equivalence tests
+and the single-process reference runs use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_like.config import ConfigError, ParallelConfig
+
+
+def pick_device_and_backend(requested_backend: str | None = None) -> tuple[torch.device, str]:
+    """CUDA + NCCL when a GPU is present, else CPU + gloo. The only place that decides the device."""
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        return device, requested_backend or "nccl"
+    if requested_backend == "nccl":
+        raise ConfigError("--distributed-backend nccl needs a GPU; none is visible (use gloo or drop the flag)")
+    return torch.device("cpu"), "gloo"
+
+
+@dataclass
+class ParallelState:
+    """Sizes, this process's coordinates and the process groups of one run.
+
+    A group is ``None`` when its size is 1: collectives on it are skipped (see collectives.py).
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: str | None = None
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    model_parallel_group: dist.ProcessGroup | None = None
+    """tp x pp ranks that hold one full model replica (for the global grad norm)."""
+    embedding_group: dist.ProcessGroup | None = None
+    """First and last pipeline stage of one (dp, tp) position: they share the word embedding."""
+    pp_global_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks of this process's pipeline group, by stage (for send/recv)."""
+    dp_global_ranks: list[int] = field(default_factory=lambda: [0])
+    tp_global_ranks: list[int] = field(default_factory=lambda: [0])
+
+    # ---------------------------------------------------------------- coordinates
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.dp_size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """Global rank of the process at these coordinates."""
+        return pp_rank * (self.dp_size * self.tp_size) + dp_rank * self.tp_size + tp_rank
+
+    def pp_neighbor(self, offset: int) -> int:
+        """Global rank of the stage ``offset`` away in this pipeline (wrapping around)."""
+        return self.pp_global_ranks[(self.pp_rank + offset) % self.pp_size]
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"pp {self.pp_rank}/{self.pp_size} on {self.device} ({self.backend or 'no backend'})"
+        )
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def single_process(cls, device: torch.device | None = None) -> ParallelState:
+        """A 1x1x1 layout with no process groups: the reference every parallel run is compared with."""
+        if device is None:
+            device, _ = pick_device_and_backend()
+        return cls(device=device)
+
+    @classmethod
+    def initialize(cls, parallel: ParallelConfig, world_size: int | None = None) -> ParallelState:
+        """Start the default process group (from torchrun's env vars) and build every subgroup.
+
+        With one process and no launcher environment, no process group is started at all.
+        """
+        device, backend = pick_device_and_backend(parallel.distributed_backend)
+        if world_size is None:
+            world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        if world_size % (tp * pp) != 0:
+            raise ConfigError(
+                f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+                f"--pipeline-model-parallel-size {pp}"
+            )
+        if world_size == 1 and not dist.is_initialized():
+            return cls.single_process(device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=backend,
+                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes),
+            )
+        state = cls(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp), rank=dist.get_rank())
+        state.device, state.backend = device, backend
+        state._build_groups()
+        return state
+
+    def _build_groups(self) -> None:
+        """Create every subgroup. All ranks create all groups in the same order (a torch requirement)."""
+        tp, pp, dp = self.tp_size, self.pp_size, self.dp_size
+        me = self.rank
+
+        def make(ranks: list[int]) -> dist.ProcessGroup | None:
+            group = dist.new_group(ranks)
+            return group if me in ranks else None
+
+        for p in range(pp):
+            for d in range(dp):
+                ranks = [self.rank_of(t, d, p) for t in range(tp)]
+                group = make(ranks)
+                if me in ranks:
+                    self.tp_group, self.tp_global_ranks = group, ranks
+        for p in range(pp):
+            for t in range(tp):
+                ranks = [self.rank_of(t, d, p) for d in range(dp)]
+                group = make(ranks)
+                if me in ranks:
+                    self.dp_group, self.dp_global_ranks = group, ranks
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [self.rank_of(t, d, p) for p in range(pp)]
+                group = make(ranks)
+                if me in ranks:
+                    self.pp_group, self.pp_global_ranks = group, ranks
+                embedding_ranks = sorted({ranks[0], ranks[-1]})
+                group = make(embedding_ranks)
+                if me in embedding_ranks and pp > 1:
+                    self.embedding_group = group
+        for d in range(dp):
+            ranks = [self.rank_of(t, d, p) for p in range(pp) for t in range(tp)]
+            group = make(ranks)
+            if me in ranks:
+                self.model_parallel_group = group
+        # Groups of size one never need a collective; None makes that explicit to every caller.
+        if tp == 1:
+            self.tp_group = None
+        if dp == 1:
+            self.dp_group = None
+        if pp == 1:
+            self.pp_group = None
+        if tp * pp == 1:
+            self.model_parallel_group = None
+
+    def destroy(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,219 @@
+"""Tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
+
+Every layer draws its *full* weight from ``init_generator(seed, name)`` and keeps this rank's slice,
+so the tp=N model holds exact slices of the tp=1 model built with the same seed.
+Parameters carry two attributes the rest of the code reads:
+
+* ``tensor_model_parallel`` (bool): the parameter is a shard; otherwise it is replicated over tp.
+* ``sequence_parallel`` (bool): a replicated parameter used on sequence shards; its gradient is a
+  partial sum that must be all-reduced over tp after backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_like import collectives as comm
+from megatron_like.collectives import Group
+from megatron_like.tensor_parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from megatron_like.tensor_parallel.random import init_generator
+
+InitMethod = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def normal_init(std: float) -> InitMethod:
+    """Weights ~ N(0, std^2), drawn from the given generator."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
+
+    return init
+
+
+def mark_replicated(param: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
+    """Tag a parameter that every tp rank holds whole."""
+    param.tensor_model_parallel = False
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def sharded_parameter(
+    full_shape: tuple[int, ...],
+    partition_dim: int,
+    tp_group: Group,
+    init_method: InitMethod,
+    seed: int,
+    name: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> nn.Parameter:
+    """Draw the full weight from its own generator, keep this rank's chunk along ``partition_dim``."""
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init_method(full, init_generator(seed, name))
+    shard = comm.split_along_dim(full, tp_group, dim=partition_dim)
+    param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.sequence_parallel = False
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: each rank computes ``output_size / tp`` output features.
+
+    Input ``[s, b, input_size]`` (``[s / tp, b, input_size]`` with sequence parallelism: it is
+    all-gathered first). Output ``[s, b, output_size / tp]``, or ``[s, b, output_size]`` with
+    ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group: Group,
+        init_method: InitMethod,
+        seed: int,
+        name: str,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        skip_weight_param_allocation: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        tp_size = comm.group_size(tp_group)
+        if output_size % tp_size != 0:
+            raise ValueError(f"{name}: output size {output_size} does not split over {tp_size} ranks")
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.input_size, self.output_size = input_size, output_size
+        if skip_weight_param_allocation:
+            self.weight = None
+        else:
+            self.weight = sharded_parameter(
+                (output_size, input_size), 0, tp_group, init_method, seed, name + ".weight", dtype, device
+            )
+        if bias:
+            # Megatron zero-initializes biases; they are sharded like the output features.
+            self.bias = nn.Parameter(torch.zeros(output_size // tp_size, dtype=dtype, device=device))
+            self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+            self.bias.sequence_parallel = False
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, weight, self.bias)
+        if self.gather_output:
+            y = gather_from_tensor_parallel_region(y, self.tp_group)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: each rank multiplies its ``input_size / tp`` input features.
+
+    Input ``[s, b, input_size / tp]`` (already split when ``input_is_parallel``). The partial products are
+    all-reduced to ``[s, b, output_size]``, or reduce-scattered to ``[s / tp, b, output_size]`` with
+    sequence parallelism. The bias is added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        tp_group: Group,
+        init_method: InitMethod,
+        seed: int,
+        name: str,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        tp_size = comm.group_size(tp_group)
+        if input_size % tp_size != 0:
+            raise ValueError(f"{name}: input size {input_size} does not split over {tp_size} ranks")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(f"{name}: sequence parallelism needs input_is_parallel=True")
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.weight = sharded_parameter(
+            (output_size, input_size), 1, tp_group, init_method, seed, name + ".weight", dtype, device
+        )
+        if bias:
+            self.bias = mark_replicated(
+                nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device)), sequence_parallel
+            )
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows: rank r holds rows ``[r * v / tp, (r + 1) * v / tp)``.
+
+    Input token ids ``[b, s]``; output ``[b, s, hidden]``: each rank looks up the ids it owns, zeros the
+    rest, and the partial results are summed over tp.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: Group,
+        init_method: InitMethod,
+        seed: int,
+        name: str,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        tp_size = comm.group_size(tp_group)
+        if num_embeddings % tp_size != 0:
+            raise ValueError(f"{name}: vocabulary {num_embeddings} does not split over {tp_size} ranks")
+        self.tp_group = tp_group
+        self.num_embeddings = num_embeddings
+        per_rank = num_embeddings // tp_size
+        self.vocab_start = comm.group_rank(tp_group) * per_rank
+        self.vocab_end = self.vocab_start + per_rank
+        self.weight = sharded_parameter(
+            (num_embeddings, embedding_dim), 0, tp_group, init_method, seed, name + ".weight", dtype, device
+        )
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return F.embedding(token_ids, self.weight)
+        outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
+        local_ids = (token_ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(partial, self.tp_group)

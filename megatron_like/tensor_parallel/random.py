@@ -1,0 +1,108 @@
+"""Random numbers that make parallel runs reproducible.
+
+* Weight init: every weight is drawn whole from its own generator, seeded by the run seed and the
+  weight's global name (``init_generator``), and each rank keeps its slice. So tp=N holds exact slices of
+  the tp=1 model and a pipeline stage draws the same layers as the single-process model.
+* Dropout: the default generator is shared by the ranks of a tensor-parallel group (replicated
+  activations must drop the same elements); dropout on tensor-parallel shards (attention heads, or
+  sequence-parallel chunks) runs inside ``get_rng_tracker().fork()``, a per-tp-rank stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+def init_generator(seed: int, name: str) -> torch.Generator:
+    """A CPU generator private to one weight: same (seed, name) gives the same draws on every rank."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a region of code (Megatron's tracker).
+
+    The tracker swaps the *default* generator of the device, so ``torch.nn.functional.dropout`` and
+    ``scaled_dot_product_attention`` need no generator argument.
+    """
+
+    def __init__(self) -> None:
+        self.states: dict[str, torch.Tensor] = {}
+        self.device_type = "cpu"
+
+    def reset(self, device_type: str = "cpu") -> None:
+        self.states = {}
+        self.device_type = device_type
+
+    def _get_state(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state() if self.device_type == "cuda" else torch.get_rng_state()
+
+    def _set_state(self, state: torch.Tensor) -> None:
+        if self.device_type == "cuda":
+            torch.cuda.set_rng_state(state)
+        else:
+            torch.set_rng_state(state)
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        saved = self._get_state()
+        if self.device_type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = self._get_state()
+        self._set_state(saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states = {name: state.clone() for name, state in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the body with generator ``name``; its advanced state is kept for next time."""
+        if name not in self.states:
+            raise KeyError(f"RNG state {name!r} was never added (call seed_everything first)")
+        outside = self._get_state()
+        self._set_state(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get_state()
+            self._set_state(outside)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process's tracker. Global like the default generator it swaps, and for the same reason."""
+    return _TRACKER
+
+
+def seed_everything(seed: int, tp_rank: int, pp_rank: int, device_type: str = "cpu") -> None:
+    """Seed python, numpy and torch; give tensor-parallel regions a per-tp-rank stream.
+
+    Megatron's offsets: the default stream differs per pipeline stage (different layers must not draw
+    identical dropout masks) and is shared by tensor-parallel ranks; the tracker stream differs per tp rank.
+    """
+    import random
+
+    import numpy as np
+
+    default_seed = seed + 100 * pp_rank
+    random.seed(default_seed)
+    np.random.seed(default_seed % (2**32))
+    torch.manual_seed(default_seed)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(default_seed)
+    tracker = get_rng_tracker()
+    tracker.reset(device_type)
+    tracker.add(MODEL_PARALLEL_RNG, default_seed + 2718 + tp_rank)

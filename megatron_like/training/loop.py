@@ -1,0 +1,206 @@
+"""The training loop: ``pretrain()`` in Megatron's shape.
+
+Order of one run: process groups -> seeds -> model chunks -> optimizer and schedule -> (resume) ->
+data iterators -> steps (forward/backward schedule, gradient reductions, clipping, AdamW, lr) with the
+log line, evaluation and checkpoints at their intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_like import collectives as comm
+from megatron_like.config import Config, ConfigError
+from megatron_like.distributed import finish_grad_sync
+from megatron_like.model import chunk_layers
+from megatron_like.optimizer import build_optimizer, clip_grads, global_grad_norm
+from megatron_like.parallel_state import ParallelState
+from megatron_like.pipeline_parallel import get_forward_backward_func
+from megatron_like.tensor_parallel import seed_everything
+from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_like.training.data_loading import build_data_iterator
+from megatron_like.training.lr_schedule import LearningRateScheduler
+from megatron_like.training.metrics import flops_per_token, format_log_line
+
+ModelProvider = Callable[..., nn.Module]
+DatasetsProvider = Callable[[Config, ParallelState, tuple[int, int, int]], tuple[Any, Any, Any]]
+
+
+@dataclass
+class TrainingResult:
+    """What a run did, for tests and callers (losses are only known on the last pipeline stage)."""
+
+    iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    validation_losses: list[float] = field(default_factory=list)
+    model: list[nn.Module] = field(default_factory=list)
+
+
+
+
+def check_supported(config: Config) -> None:
+    """Refuse flags whose feature has not landed yet, before any process starts working."""
+    p, prec, m = config.parallel, config.precision, config.model
+    pending = []
+    if prec.fp16 or prec.bf16:
+        pending.append("--fp16/--bf16")
+    if p.zero_stage > 0 or p.use_distributed_optimizer:
+        pending.append("--zero-stage/--use-distributed-optimizer")
+    if p.optimizer_cpu_offload:
+        pending.append("--optimizer-cpu-offload")
+    if m.recompute_granularity is not None:
+        pending.append("--recompute-granularity")
+    if pending:
+        raise ConfigError(f"{', '.join(pending)} not implemented yet in this version; drop the flag")
+
+
+def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
+    if ps.rank == (rank % ps.world_size):
+        print(message, flush=True)
+
+
+def build_model_chunks(config: Config, ps: ParallelState, model_provider: ModelProvider) -> list[nn.Module]:
+    """One model chunk per virtual pipeline stage of this rank."""
+    vp = config.virtual_pipeline_size
+    chunks = []
+    for vp_rank in range(vp):
+        layers = chunk_layers(config.model.num_layers, ps.pp_size, ps.pp_rank, vp, vp_rank)
+        chunks.append(
+            model_provider(
+                config, ps, layers=layers,
+                pre_process=ps.is_first_stage and vp_rank == 0,
+                post_process=ps.is_last_stage and vp_rank == vp - 1,
+            )
+        )
+    return chunks
+
+
+def average_losses(stats: list[dict[str, torch.Tensor]], ps: ParallelState) -> dict[str, float]:
+    """Mean of each statistic over micro batches and data-parallel ranks (last stage only)."""
+    if not stats:
+        return {}
+    names = sorted(stats[0])
+    means = torch.stack([torch.stack([s[n].detach().float() for s in stats]).mean() for n in names])
+    comm.all_reduce(means, ps.dp_group, op="avg")
+    return dict(zip(names, means.tolist()))
+
+
+def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
+               model: list[nn.Module], optimizer: torch.optim.Optimizer,
+               scheduler: LearningRateScheduler) -> tuple[dict[str, float], float]:
+    """One optimizer step over a global batch; returns (averaged losses, global grad norm)."""
+    for chunk in model:
+        chunk.zero_grad(set_to_none=True)
+    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
+    stats = schedule(forward_step_func, data_iterator, model, config.num_microbatches)
+    finish_grad_sync(model, ps)
+    params = [p for chunk in model for p in chunk.parameters()]
+    grad_norm = global_grad_norm(params, ps)
+    clip_grads(params, config.optimizer.clip_grad, grad_norm)
+    optimizer.step()
+    scheduler.step()
+    return average_losses(stats, ps), grad_norm
+
+
+def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
+             model: list[nn.Module], num_batches: int) -> dict[str, float]:
+    """Mean loss over ``num_batches`` global batches without gradients."""
+    for chunk in model:
+        chunk.eval()
+    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
+    stats = []
+    with torch.no_grad():
+        for _ in range(num_batches):
+            stats += schedule(forward_step_func, data_iterator, model, config.num_microbatches, forward_only=True)
+    for chunk in model:
+        chunk.train()
+    return average_losses(stats, ps)
+
+
+def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
+             datasets_provider: DatasetsProvider, ps: ParallelState | None = None,
+             padded_vocab_size: int | None = None) -> TrainingResult:
+    """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
+    check_supported(config)
+    ps = ps or ParallelState.initialize(config.parallel, config.world_size)
+    seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
+    model = build_model_chunks(config, ps, model_provider)
+    if ps.dp_rank == 0:
+        n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({ps.tp_rank}, "
+              f"{ps.pp_rank}): {n_params}", flush=True)
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters)
+
+    iteration, consumed = 0, 0
+    if config.checkpoint.load:
+        iteration, consumed = load_checkpoint(config.checkpoint.load, config, ps, model, optimizer, scheduler)
+        print_rank(ps, f" > loaded checkpoint from {config.checkpoint.load} at iteration {iteration}")
+
+    t, log = config.training, config.logging
+    gbs = config.global_batch_size
+    eval_runs = t.train_iters // log.eval_interval + 1
+    num_samples = (t.train_iters * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
+    train_ds, valid_ds, _ = datasets_provider(config, ps, num_samples)
+    train_iter = build_data_iterator(train_ds, consumed, t.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                     config.data.num_workers)
+    valid_iter = build_data_iterator(valid_ds, 0, t.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                     config.data.num_workers)
+
+    result = TrainingResult(iteration=iteration, model=model)
+    vocab = padded_vocab_size or getattr(model[-1], "vocab_size", 0)
+    flops = flops_per_token(config, vocab)
+    start_time = time.time()
+    interval_start, interval_iters = time.perf_counter(), 0
+    for chunk in model:
+        chunk.train()
+    while iteration < t.train_iters:
+        losses, grad_norm = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
+        iteration += 1
+        consumed += gbs
+        interval_iters += 1
+        result.iteration = iteration
+        if losses:
+            result.losses.append(losses.get("lm loss", float("nan")))
+        result.grad_norms.append(grad_norm)
+        if iteration % log.log_interval == 0:
+            elapsed = (time.perf_counter() - interval_start) / interval_iters
+            tokens_per_second = gbs * config.model.seq_length / elapsed
+            print_rank(ps, format_log_line(
+                iteration=iteration, train_iters=t.train_iters, consumed_samples=consumed,
+                elapsed_ms=elapsed * 1000.0, tokens_per_second=tokens_per_second,
+                tflops_per_device=flops * tokens_per_second / ps.world_size / 1e12,
+                learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=gbs, losses=losses,
+                loss_scale=1.0, grad_norm=grad_norm, skipped_iterations=0, nan_iterations=0,
+            ), rank=-1)
+            interval_start, interval_iters = time.perf_counter(), 0
+        if valid_iter is not None and log.eval_iters > 0 and iteration % log.eval_interval == 0:
+            valid = evaluate(config, ps, forward_step_func, valid_iter, model, log.eval_iters)
+            if valid:
+                loss = valid["lm loss"]
+                result.validation_losses.append(loss)
+                print_rank(ps, f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
+                               f"lm loss PPL: {torch.tensor(loss).exp().item():.6E} |", rank=-1)
+        ckpt = config.checkpoint
+        should_exit = (ckpt.exit_interval is not None and iteration % ckpt.exit_interval == 0) or (
+            ckpt.exit_duration_in_mins is not None and (time.time() - start_time) / 60 > ckpt.exit_duration_in_mins
+        )
+        if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
+            save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
+            print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
+        if should_exit:
+            print_rank(ps, f" > exiting at iteration {iteration}")
+            break
+    else:
+        if config.checkpoint.save and not (config.checkpoint.save_interval
+                                           and iteration % config.checkpoint.save_interval == 0):
+            save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler, consumed)
+            print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
+    return result

@@ -1,0 +1,53 @@
+"""Throughput, FLOPs and the Megatron training log line."""
+
+from __future__ import annotations
+
+from megatron_like.config import Config
+
+
+def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
+    """Parameters that take part in matmuls: the layers' linears plus the output layer."""
+    m = config.model
+    per_layer = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
+    return m.num_layers * per_layer + padded_vocab_size * m.hidden_size
+
+
+def flops_per_token(config: Config, padded_vocab_size: int) -> float:
+    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (DESIGN.md §8)."""
+    m = config.model
+    return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def format_log_line(
+    *,
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    elapsed_ms: float,
+    tokens_per_second: float,
+    tflops_per_device: float,
+    learning_rate: float,
+    global_batch_size: int,
+    losses: dict[str, float],
+    loss_scale: float,
+    grad_norm: float | None,
+    skipped_iterations: int,
+    nan_iterations: int,
+) -> str:
+    """The one-line Megatron training log (DESIGN.md §5)."""
+    parts = [
+        f" iteration {iteration:8d}/{train_iters:8d}",
+        f"consumed samples: {consumed_samples:12d}",
+        f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
+        f"throughput (tokens/s): {tokens_per_second:.1f}",
+        f"TFLOP/s per device: {tflops_per_device:.3f}",
+        f"learning rate: {learning_rate:.6E}",
+        f"global batch size: {global_batch_size:5d}",
+    ]
+    parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+    parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts.append(f"number of skipped iterations: {skipped_iterations:3d}")
+    parts.append(f"number of nan iterations: {nan_iterations:3d}")
+    return " | ".join(parts) + " |"

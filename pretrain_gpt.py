@@ -1,0 +1,109 @@
+"""Pretrain a GPT model: Megatron's entry point, in its shape.
+
+    torchrun --nproc_per_node=4 pretrain_gpt.py --tensor-model-parallel-size 2 \
+        --pipeline-model-parallel-size 2 --num-layers 4 ... --mock-data --vocab-size 512
+
+The four functions below are the whole model-specific part: model provider, batch, loss, forward step,
+datasets provider. Everything else lives in ``megatron_like.training.pretrain``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from megatron_like.config import Config, parse_config_or_exit
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training import pretrain
+from megatron_like.training.loop import check_supported
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def vocab_size_of(config: Config) -> int:
+    """Unpadded vocabulary: --vocab-size for mock/null data, else the tokenizer's."""
+    if config.data.mock_data or config.data.tokenizer_type == "NullTokenizer":
+        return config.model.vocab_size
+    from megatron_like.data.tokenizer import build_tokenizer
+
+    d = config.data
+    tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                                config.model.vocab_size)
+    return tokenizer.vocab_size
+
+
+def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_process: bool,
+                   post_process: bool, padded_vocab_size: int) -> GPTModel:
+    """One GPT chunk holding ``layers`` (global indices) of this pipeline rank."""
+    return GPTModel(
+        config.model, ps, vocab_size=padded_vocab_size, seed=config.training.seed, layers=layers,
+        pre_process=pre_process, post_process=post_process,
+        sequence_parallel=config.parallel.sequence_parallel, dtype=DTYPES[config.params_dtype_name],
+    )
+
+
+def get_batch(data_iterator: Iterator | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """Split ``text [b, s + 1]`` into inputs ``[b, s]``, shifted labels ``[b, s]`` and positions."""
+    text = next(data_iterator)["text"].to(device)
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
+    return {"tokens": tokens, "labels": labels, "position_ids": positions,
+            "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'."""
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator: Iterator | None, model: GPTModel) -> tuple[torch.Tensor, Callable]:
+    """Run one micro batch through ``model``; return its output and how to turn it into a loss."""
+    batch = get_batch(data_iterator, model.ps.device)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:
+    """Train, validation and test datasets of ``text [seq_length + 1]`` samples."""
+    seq_length, seed = config.model.seq_length, config.training.seed
+    if config.data.mock_data:
+        from megatron_like.data.mock_dataset import MockGPTDataset
+
+        return tuple(
+            MockGPTDataset(n, seq_length, config.model.vocab_size, seed + split) if n > 0 else None
+            for split, n in enumerate(num_samples)
+        )
+    from megatron_like import collectives as comm
+    from megatron_like.data.gpt_dataset import build_train_valid_test_datasets
+
+    return build_train_valid_test_datasets(
+        config.data.data_path, config.data.split, seq_length, seed, num_samples, config.data.data_cache_path,
+        is_index_builder=ps.rank == 0, barrier=comm.barrier,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config_or_exit(argv)
+    check_supported_or_exit(config)
+    padded_vocab_size = config.padded_vocab_size(vocab_size_of(config))
+    provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
+    pretrain(config, provider, forward_step, datasets_provider, padded_vocab_size=padded_vocab_size)
+
+
+def check_supported_or_exit(config: Config) -> None:
+    from megatron_like.config import ConfigError
+
+    try:
+        check_supported(config)
+    except ConfigError as error:
+        print(f"error: {error}", flush=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

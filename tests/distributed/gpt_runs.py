@@ -1,0 +1,99 @@
+"""Shared pieces of the equivalence tests: a training run through ``pretrain()`` and the full weights.
+
+``train_gpt(rank, world_size, flags)`` runs the real trainer on mock data with the given CLI flags and
+returns what this rank knows: the logged losses (last stage) and its parameters under *global* names,
+with tensor-parallel shards gathered to full tensors. ``merge_ranks`` assembles the full model from the
+per-rank results so it can be compared with the single-process run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_like import collectives as comm
+from megatron_like.config import parse_config
+from megatron_like.parallel_state import ParallelState
+
+BASE_FLAGS = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--vocab-size", "256", "--hidden-dropout", "0",
+    "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234", "--num-workers", "0",
+    "--make-vocab-size-divisible-by", "8", "--eval-iters", "0",
+    # Adam divides by sqrt(v) + eps: with the default 1e-8 a gradient of 1e-9 (rounding noise on a
+    # parameter whose exact gradient is ~0) becomes a full lr-sized step whose sign depends on the
+    # reduction order. eps 1e-5 keeps such noise from dominating while real gradients (>1e-4) are unaffected.
+    "--adam-eps", "1e-5",
+]
+
+
+def global_name(chunk: torch.nn.Module, local_name: str) -> str:
+    """``layers.0.mlp.fc1.weight`` of a chunk holding layer 5 -> ``layers.5.mlp.fc1.weight``."""
+    if local_name.startswith("layers."):
+        _, index, rest = local_name.split(".", 2)
+        return f"layers.{chunk.layers[int(index)].layer}.{rest}"
+    return local_name
+
+
+def full_parameters(model: list[torch.nn.Module], ps: ParallelState) -> dict[str, torch.Tensor]:
+    """This rank's parameters under global names, tensor-parallel shards gathered along their split dim."""
+    out = {}
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if getattr(param, "shared_embedding", False):
+                continue  # the last stage's copy of the tied embedding; the first stage reports it
+            tensor = param.detach()
+            if getattr(param, "tensor_model_parallel", False):
+                tensor = comm.all_gather_along_dim(tensor, ps.tp_group, dim=param.partition_dim)
+            out[global_name(chunk, name)] = tensor.clone()
+    return out
+
+
+def train_gpt(rank: int, world_size: int, flags: list[str]) -> dict:
+    """Run pretrain() with ``BASE_FLAGS + flags``; return this rank's losses and full parameters."""
+    import pretrain_gpt
+    from megatron_like.training import pretrain
+
+    config = parse_config(BASE_FLAGS + flags, world_size=world_size)
+    ps = ParallelState.initialize(config.parallel, world_size)
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
+    result = pretrain(config, provider, pretrain_gpt.forward_step, pretrain_gpt.datasets_provider, ps=ps,
+                      padded_vocab_size=vocab)
+    return {
+        "losses": result.losses,
+        "grad_norms": result.grad_norms,
+        "params": full_parameters(result.model, ps),
+        "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
+    }
+
+
+def merge_ranks(results: list[dict]) -> dict:
+    """Losses from the ranks that have them (all equal) and the union of parameters over stages."""
+    losses = [r["losses"] for r in results if r["losses"]]
+    params: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, tensor in r["params"].items():
+            params.setdefault(name, tensor)
+    return {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params}
+
+
+def assert_same_training(reference: dict, parallel: dict, rtol: float = 1e-5, weight_atol: float = 1e-5) -> None:
+    """Same losses every step, same grad norms, and the same updated weights, within float32 tolerance.
+
+    Weights get an absolute tolerance of 1e-5 (1% of one lr=1e-3 Adam step): parameters whose exact
+    gradient is zero (the key bias: softmax ignores it) receive rounding noise that Adam normalizes into
+    updates of ~1e-6 whose sign differs between reduction orders. A real bug moves weights by ~lr.
+    """
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(reference["losses"]),
+                               rtol=rtol, atol=0.0)
+    for losses in parallel["all_losses"]:
+        assert losses == parallel["losses"], "ranks that compute the loss disagree"
+    torch.testing.assert_close(torch.tensor(parallel["grad_norms"]), torch.tensor(reference["grad_norms"]),
+                               rtol=1e-4, atol=1e-6)
+    assert set(parallel["params"]) == set(reference["params"])
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(parallel["params"][name], expected, rtol=rtol, atol=weight_atol,
+                                   msg=lambda message, name=name: f"{name}: {message}")
