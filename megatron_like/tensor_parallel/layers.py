@@ -12,7 +12,6 @@ Parameters carry two attributes the rest of the code reads:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
         dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
@@ -147,7 +146,7 @@ class RowParallelLinear(nn.Module):
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
@@ -195,7 +194,7 @@ class VocabParallelEmbedding(nn.Module):
         seed: int,
         name: str,
         dtype: torch.dtype = torch.float32,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
