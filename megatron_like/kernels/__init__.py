@@ -1,0 +1,26 @@
+"""Fused kernels (C++ with runtime AVX-512/AVX2 dispatch, built from ``csrc/``) with PyTorch fallbacks.
+
+Every op picks the compiled path for CPU float tensors and a pure-PyTorch implementation of the same
+contract otherwise (other devices, missing build, or ``MEGATRON_LIKE_NO_CSRC=1``). See docs/kernels.md.
+"""
+
+from megatron_like.kernels._loader import csrc_available, csrc_disabled, csrc_isa
+from megatron_like.kernels.bias_gelu import bias_gelu
+from megatron_like.kernels.cpu_adam import CPUAdam, adam_step_
+from megatron_like.kernels.cross_entropy import fused_vocab_cross_entropy
+from megatron_like.kernels.fused_softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
+from megatron_like.kernels.layer_norm import fused_add_layer_norm, layer_norm
+
+__all__ = [
+    "CPUAdam",
+    "adam_step_",
+    "bias_gelu",
+    "csrc_available",
+    "csrc_disabled",
+    "csrc_isa",
+    "fused_add_layer_norm",
+    "fused_vocab_cross_entropy",
+    "layer_norm",
+    "scaled_masked_softmax",
+    "scaled_upper_triang_masked_softmax",
+]

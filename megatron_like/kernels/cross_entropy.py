@@ -1,0 +1,122 @@
+"""Fused vocabulary cross entropy: per-row loss without materializing the softmax.
+
+``fused_vocab_cross_entropy(logits, targets)`` returns ``logsumexp(logits) - logits[target]`` per
+row. The forward keeps only the log-sum-exp ``[n]``; the backward writes
+``grad_loss * (softmax - one_hot)`` in one pass over the logits. PyTorch's
+``F.cross_entropy(reduction="none")`` instead writes a ``[n, v]`` log-softmax in the forward and
+reads and writes ``[n, v]`` twice in the backward. The loss is float32 for 32/16-bit logits (float64
+for float64): a bf16 loss would round away the differences training looks at.
+
+This is the single-device op; the tensor-parallel vocab-split cross entropy lives in
+``megatron_like.tensor_parallel.cross_entropy``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_like.kernels._common import accum_dtype, cpu_supported, dtype_code, threads
+from megatron_like.kernels._loader import load
+
+
+def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise IndexError(f"target {int(targets[row])} at row {row} is out of range for a vocabulary of {vocab}")
+
+
+def _cross_entropy_forward_torch(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (loss [n], lse [n]) for ``logits`` ``[n, v]`` with PyTorch ops (the fallback)."""
+    _check_targets(targets, logits.shape[-1], ignore_index)
+    x = logits.to(accum_dtype(logits.dtype))
+    lse = torch.logsumexp(x, dim=-1)
+    keep = targets != ignore_index
+    picked = x.gather(1, torch.where(keep, targets, 0).unsqueeze(1)).squeeze(1)
+    return torch.where(keep, lse - picked, 0.0), lse
+
+
+def _cross_entropy_backward_torch(
+    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """Return ``grad_loss * (softmax - one_hot)`` ``[n, v]`` (the fallback)."""
+    keep = targets != ignore_index
+    g = torch.where(keep, grad_loss.to(lse.dtype), 0.0)
+    grad = torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1)) * g.unsqueeze(1)
+    grad.scatter_add_(1, torch.where(keep, targets, 0).unsqueeze(1), -g.unsqueeze(1))
+    return grad.to(logits.dtype)
+
+
+class FusedVocabCrossEntropy(torch.autograd.Function):
+    """loss[n] = logsumexp(logits[n, v]) - logits[n, target[n]]; 0 where target == ignore_index."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        n, v = logits.shape
+        targets = targets.to(torch.int64).contiguous()
+        module = load("vocab_cross_entropy") if cpu_supported(logits) and targets.device.type == "cpu" else None
+        if module is not None:
+            logits = logits.contiguous()
+            loss = torch.empty(n, dtype=accum_dtype(logits.dtype))
+            lse = torch.empty_like(loss)
+            module.forward(
+                logits.data_ptr(),
+                targets.data_ptr(),
+                loss.data_ptr(),
+                lse.data_ptr(),
+                n,
+                v,
+                ignore_index,
+                dtype_code(logits.dtype),
+                threads(),
+            )
+        else:
+            loss, lse = _cross_entropy_forward_torch(logits, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.ignore_index = ignore_index
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets, lse = ctx.saved_tensors
+        module = load("vocab_cross_entropy") if cpu_supported(logits) and grad_loss.device.type == "cpu" else None
+        if module is None:
+            return _cross_entropy_backward_torch(logits, targets, lse, grad_loss, ctx.ignore_index), None, None
+        n, v = logits.shape
+        grad_loss = grad_loss.to(lse.dtype).contiguous()
+        grad = torch.empty_like(logits)
+        module.backward(
+            logits.data_ptr(),
+            targets.data_ptr(),
+            lse.data_ptr(),
+            grad_loss.data_ptr(),
+            grad.data_ptr(),
+            n,
+            v,
+            ctx.ignore_index,
+            dtype_code(logits.dtype),
+            threads(),
+        )
+        return grad, None, None
+
+
+def fused_vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Return the per-token cross entropy of ``logits`` against ``targets``.
+
+    Args:
+        logits: ``[..., v]`` unnormalized scores (float32, bfloat16, float16 or float64).
+        targets: integer class ids shaped like ``logits.shape[:-1]``.
+        ignore_index: target value whose loss and gradient are 0 (as in ``F.cross_entropy``).
+
+    Returns:
+        loss shaped like ``targets``: float32 (float64 for float64 logits).
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"fused_vocab_cross_entropy: targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)}"
+        )
+    vocab = logits.shape[-1]
+    loss = FusedVocabCrossEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index)
+    return loss.view(targets.shape)
