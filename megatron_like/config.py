@@ -18,6 +18,7 @@ import math
 import os
 import sys
 import textwrap
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -502,7 +503,8 @@ def field_docstrings(cls: type) -> dict[str, str]:
 
 
 def _unwrap_optional(tp: object) -> object:
-    if typing.get_origin(tp) is typing.Union:
+    """``int | None`` (or ``Optional[int]``) -> ``int``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0]
