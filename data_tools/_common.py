@@ -54,9 +54,7 @@ def open_text_out(path: str) -> io.TextIOBase:
     return open(path, "w", encoding="utf-8")  # noqa: SIM115 - the caller closes it
 
 
-def iter_lines(
-    path: str, start: int = 0, end: int | None = None, first_line: int = 1
-) -> Iterator[tuple[int, bytes]]:
+def iter_lines(path: str, start: int = 0, end: int | None = None, first_line: int = 1) -> Iterator[tuple[int, bytes]]:
     """Yield (line number, raw line without newline) of ``path`` from byte ``start`` up to ``end``.
 
     ``start`` must be at a line start; a line that starts before ``end`` is read whole. Numbers start
@@ -116,3 +114,42 @@ class Progress:
             file=self.stream,
             flush=True,
         )
+
+
+def ordered_map(fn, items, workers: int, initializer=None, initargs: tuple = ()):
+    """Yield ``fn(item)`` for each item in order; ``workers`` processes, at most ``2 * workers`` in flight.
+
+    Unlike ``Pool.imap`` (whose feeder thread reads the whole input ahead), this keeps memory bounded.
+    With ``workers <= 1`` everything runs in this process.
+    """
+    import multiprocessing
+    from collections import deque
+
+    if workers <= 1:
+        if initializer is not None:
+            initializer(*initargs)
+        for item in items:
+            yield fn(item)
+        return
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    with ctx.Pool(workers, initializer=initializer, initargs=initargs) as pool:
+        pending: deque = deque()
+        for item in items:
+            pending.append(pool.apply_async(fn, (item,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+def batched(iterable, size: int):
+    """Yield lists of up to ``size`` consecutive items."""
+    batch = []
+    for item in iterable:
+        batch.append(item)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -19,12 +19,13 @@ error (no input, unreadable tokenizer, no good document: nothing is written); 2 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 import _common  # noqa: F401 - puts the repo on sys.path when run from a checkout
@@ -94,9 +95,7 @@ def _init_worker(args: argparse.Namespace) -> None:
 
 
 def _build_tokenizer(args: argparse.Namespace):
-    return build_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
-    )
+    return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size)
 
 
 def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str, list[str]] | None]:
@@ -152,7 +151,7 @@ def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int] | None]:
 
 
 def encode_batch(batch: list[tuple[str, int, bytes]]) -> tuple[list[tuple[str, str]], dict, int, int]:
-    """Return (bad [(kind, 'file:line')], {key: (tokens [n], [[sentence lengths] per doc])}, docs, bytes).
+    """Return (bad [(kind, 'file:line')], {key: (tokens, sequence lengths, sequences per doc)}, docs, bytes).
 
     ``batch`` holds (file, line number, raw line). Documents are in input order.
     """
@@ -190,7 +189,9 @@ def encode_batch(batch: list[tuple[str, int, bytes]]) -> tuple[list[tuple[str, s
     out = {}
     for key, (pieces, doc_lengths) in per_key.items():
         total = sum(len(ids) for ids in pieces)
-        out[key] = (np.fromiter((t for ids in pieces for t in ids), dtype=dtype, count=total), doc_lengths)
+        tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=total)
+        sequence_lengths = [n for lengths in doc_lengths for n in lengths]
+        out[key] = (tokens, sequence_lengths, [len(lengths) for lengths in doc_lengths])
     return bad, out, docs, nbytes
 
 
@@ -212,23 +213,8 @@ def _batches(shards: list[tuple[str, int, int | None, int]], batch_lines: int):
 
 def _ordered_results(args: argparse.Namespace, shards, workers: int):
     """Yield encode_batch results in input order, with at most 2 * workers batches in flight."""
-    if workers <= 1:
-        _init_worker(args)
-        _worker["dtype"] = best_fitting_dtype(_worker["tokenizer"].vocab_size)
-        for batch in _batches(shards, args.batch_lines):
-            yield encode_batch(batch)
-        return
-    ctx = multiprocessing.get_context(
-        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    )
-    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(args,)) as pool:
-        pending: deque = deque()
-        for batch in _batches(shards, args.batch_lines):
-            pending.append(pool.apply_async(encode_batch, (batch,)))
-            if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+    batches = _batches(shards, args.batch_lines)
+    yield from _common.ordered_map(encode_batch, batches, workers, _init_pool_worker, (args,))
 
 
 def _init_pool_worker(args: argparse.Namespace) -> None:
@@ -242,9 +228,7 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
     return {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
 
 
-def run_partition(
-    args: argparse.Namespace, shards, prefixes: dict[str, str], workers: int, label: str = ""
-) -> Stats:
+def run_partition(args: argparse.Namespace, shards, prefixes: dict[str, str], workers: int, label: str = "") -> Stats:
     """Binarize ``shards`` into datasets at ``prefixes``; return the counts (nothing written if no docs)."""
     dtype = best_fitting_dtype(_build_tokenizer(args).vocab_size)
     builders = {key: IndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
@@ -255,12 +239,8 @@ def run_partition(
             for kind, where in bad:
                 stats.add_bad(kind, where)
             tokens = 0
-            for key, (ids, doc_lengths) in out.items():
-                start = 0
-                for lengths in doc_lengths:
-                    n = sum(lengths)
-                    builders[key].add_document(ids[start : start + n], lengths)
-                    start += n
+            for key, (ids, sequence_lengths, sequences_per_doc) in out.items():
+                builders[key].add_documents(ids, sequence_lengths, sequences_per_doc)
                 tokens += int(ids.size)
             stats.docs += docs
             stats.lines += docs + len(bad)
@@ -332,14 +312,10 @@ def run(args: argparse.Namespace) -> Stats:
     workers = max(1, args.workers // len(groups))
     tag = f"part{os.getpid()}"
     part_prefixes = [{k: f"{p}.{tag}-{i}" for k, p in prefixes.items()} for i in range(len(groups))]
-    ctx = multiprocessing.get_context(
-        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    )
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     queues = [ctx.Queue() for _ in groups]
     procs = [
-        ctx.Process(
-            target=_partition_main, args=(args, g, part_prefixes[i], workers, f"[partition {i}] ", queues[i])
-        )
+        ctx.Process(target=_partition_main, args=(args, g, part_prefixes[i], workers, f"[partition {i}] ", queues[i]))
         for i, g in enumerate(groups)
     ]
     for p in procs:
@@ -386,9 +362,7 @@ def report(stats: Stats, prefixes: dict[str, str], elapsed: float, stream=sys.st
         print(f"skipped {total} bad lines:", file=stream)
         for kind in BAD_KINDS:
             if stats.bad.get(kind):
-                print(
-                    f"  {kind}: {stats.bad[kind]} (first at {', '.join(stats.first_bad[kind])})", file=stream
-                )
+                print(f"  {kind}: {stats.bad[kind]} (first at {', '.join(stats.first_bad[kind])})", file=stream)
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,9 +389,7 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="only mmap (Megatron's)")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    group.add_argument(
-        "--partitions", type=int, default=1, help="input parts processed concurrently, then merged"
-    )
+    group.add_argument("--partitions", type=int, default=1, help="input parts processed concurrently, then merged")
     group.add_argument("--log-interval", type=int, default=10000, help="documents between progress lines")
     group.add_argument("--batch-lines", type=int, default=256, help="lines per task sent to a worker")
     args = parser.parse_args(argv)

@@ -16,9 +16,7 @@ import regex
 from megatron_like.data.tokenizer import GPT2_EOD_TOKEN, Tokenizer, default_gpt2_files
 
 # GPT-2's pre-tokenization: contractions, letter runs, number runs, other-symbol runs, whitespace.
-GPT2_PATTERN = regex.compile(
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+GPT2_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
 
 @lru_cache(maxsize=1)

@@ -140,9 +140,7 @@ def save_gpt_indices(spec: GPTDatasetSpec, indices: dict[str, np.ndarray]) -> No
     try:
         os.makedirs(spec.cache_dir, exist_ok=True)
     except OSError as exc:
-        raise OSError(
-            f"cannot create the index cache {spec.cache_dir}: {exc}; set --data-cache-path"
-        ) from exc
+        raise OSError(f"cannot create the index cache {spec.cache_dir}: {exc}; set --data-cache-path") from exc
     paths = spec.paths()
     for key in ("doc", "sample", "shuffle"):
         _save_atomic(paths[key], indices[key])

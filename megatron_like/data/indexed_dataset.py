@@ -254,14 +254,35 @@ class IndexedDatasetBuilder:
         else:
             lengths = list(lengths)
             if sum(lengths) != arr.size:
-                raise ValueError(
-                    f"sequence lengths sum to {sum(lengths)}, the document has {arr.size} tokens"
-                )
+                raise ValueError(f"sequence lengths sum to {sum(lengths)}, the document has {arr.size} tokens")
             start = 0
             for n in lengths:
                 self.add_item(arr[start : start + n])
                 start += n
         self.end_document()
+
+    def add_documents(
+        self, tokens: np.ndarray, sequence_lengths: Iterable[int], sequences_per_document: Iterable[int]
+    ) -> None:
+        """Append many documents in one write (the fast path of ``preprocess.py``).
+
+        ``tokens`` [sum(sequence_lengths)] holds the sequences back to back; document k is the next
+        ``sequences_per_document[k]`` sequences.
+        """
+        arr = np.asarray(tokens, dtype=self.dtype)
+        lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        counts = np.asarray(sequences_per_document, dtype=np.int64)
+        if int(lengths.sum()) != arr.size or int(counts.sum()) != lengths.size:
+            raise ValueError(
+                f"{arr.size} tokens, {lengths.size} sequence lengths summing to {int(lengths.sum())} and "
+                f"{int(counts.sum())} sequences in documents do not agree"
+            )
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError("a sequence does not fit the int32 sizes array")
+        self._bin.write(arr.tobytes(order="C"))
+        ends = len(self._sizes) + np.cumsum(counts)
+        self._sizes.frombytes(lengths.astype(np.int32).tobytes())
+        self._doc_idx.frombytes(ends.astype(np.int64).tobytes())
 
     def add_index(self, prefix: str) -> None:
         """Append every sequence and document of the dataset at ``prefix`` (same dtype required)."""

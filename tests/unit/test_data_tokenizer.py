@@ -1,5 +1,6 @@
 """GPT-2 BPE equals GPT-2: fixed ids, a pure-Python BPE and transformers' slow tokenizer as references."""
 
+import importlib.util
 import json
 
 import pytest
@@ -32,9 +33,20 @@ TRICKY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fast():
-    return GPT2BPETokenizer()
+ENGINES = [
+    "tokenizers",
+    pytest.param(
+        "tiktoken",
+        marks=pytest.mark.skipif(importlib.util.find_spec("tiktoken") is None, reason="tiktoken not installed"),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def fast(request):
+    tok = GPT2BPETokenizer(engine=request.param)
+    assert tok.engine == request.param
+    return tok
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +102,10 @@ def test_custom_files_and_errors(tmp_path):
     tok = build_tokenizer("GPT2BPETokenizer", str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
     assert tok.eod == 0 and tok.vocab_size == 258
     assert tok.tokenize("ab") == [vocab["ab"]]
+    assert (
+        GPT2BPETokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"), "tokenizers").tokenize("abab")
+        == [vocab["ab"]] * 2
+    )
     with pytest.raises(FileNotFoundError, match="--vocab-file"):
         build_tokenizer("GPT2BPETokenizer", str(tmp_path / "nope.json"), str(tmp_path / "merges.txt"))
     with pytest.raises(ValueError, match="both"):
@@ -99,7 +115,7 @@ def test_custom_files_and_errors(tmp_path):
 
 
 def test_huggingface_tokenizer_json(tmp_path, fast):
-    fast._engine.save(str(tmp_path / "tokenizer.json"))
+    fast._engine.save(str(tmp_path / "tokenizer.json"))  # the tokenizers engine, whatever encodes
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
     assert tok.eod == 50256
     assert tok.tokenize(TRICKY[2]) == fast.tokenize(TRICKY[2])
