@@ -398,11 +398,6 @@ class Config:
         m, p, t = self.model, self.parallel, self.training
         tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
         _require(
-            self.world_size % (tp * pp) == 0,
-            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
-            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
-        )
-        _require(
             m.num_attention_heads % tp == 0,
             f"--num-attention-heads {m.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp}",
@@ -414,6 +409,11 @@ class Config:
         _require(
             m.ffn_size % tp == 0,
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
+        )
+        _require(
+            self.world_size % (tp * pp) == 0,
+            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
         if p.sequence_parallel:
             _require(

@@ -1,0 +1,68 @@
+"""Run ``pretrain_gpt.py`` through torchrun and read the ``lm loss`` of every logged iteration."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
+
+# The command of the foundation issue's "Done when", without the launcher and the layout flags.
+ISSUE_FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "6",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--vocab-size",
+    "512",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--seed",
+    "1234",
+]
+
+
+def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:
+    """Launch ``script`` on ``nproc`` CPU processes; return stdout (raise with the output on failure)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        script,
+        *flags,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+    return result.stdout
+
+
+def logged_losses(stdout: str) -> dict[int, float]:
+    """``{iteration: lm loss}`` from Megatron log lines."""
+    return {int(it): float(loss) for it, loss in LOSS.findall(stdout)}

@@ -1,0 +1,39 @@
+"""The foundation issue's CLI check: torchrun with tp (and sequence parallel) logs the 1-process losses."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from tests.e2e.cli import ISSUE_FLAGS, logged_losses, torchrun
+
+
+@functools.cache
+def single_process_losses() -> dict[int, float]:
+    return logged_losses(torchrun(1, ISSUE_FLAGS + ["--tensor-model-parallel-size", "1"]))
+
+
+def test_single_process_loss_falls():
+    losses = single_process_losses()
+    assert sorted(losses) == list(range(1, 7))
+    assert losses[6] < losses[1] - 0.05
+
+
+@pytest.mark.parametrize(
+    "nproc,flags",
+    [
+        (2, ["--tensor-model-parallel-size", "2"]),
+        (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, ["--tensor-model-parallel-size", "4"]),
+    ],
+    ids=["tp2", "tp2-sp", "tp4"],
+)
+def test_torchrun_tensor_parallel_logs_same_losses(nproc, flags):
+    output = torchrun(nproc, ISSUE_FLAGS + flags)
+    expected = single_process_losses()
+    losses = logged_losses(output)
+    assert sorted(losses) == sorted(expected)
+    for iteration, loss in expected.items():
+        assert losses[iteration] == pytest.approx(loss, rel=1e-4), f"iteration {iteration}"
+    assert f"number of parameters on (tensor, pipeline) model parallel rank ({nproc - 1}, 0)" in output
