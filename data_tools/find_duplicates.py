@@ -4,8 +4,8 @@
 
 Each document becomes a set of shingles (``--shingle char``: lowercased character ``--ngram``-grams with
 whitespace collapsed, default 5; ``word``: word n-grams, default 3). Its MinHash signature holds
-``--num-perm`` minima of the universal hashes ``(a * h + b) mod (2^61 - 1)`` over the shingle hashes
-``h``; two signatures agree in each position with probability equal to the sets' Jaccard similarity.
+``--num-perm`` minima of universal hash functions over the 32-bit shingle hashes (``MinHasher``);
+two signatures agree in each position with probability equal to the sets' Jaccard similarity.
 LSH splits the signature into b bands of r rows (chosen to minimize the false positive and false
 negative areas around ``--threshold``); documents sharing any band become candidates, and a candidate
 pair is reported when its estimated Jaccard is at least the threshold. Output lines:
@@ -23,9 +23,6 @@ from collections import defaultdict
 
 import _common
 import numpy as np
-
-MERSENNE = np.uint64((1 << 61) - 1)
-_MASK64 = (1 << 64) - 1
 
 
 def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5) -> tuple[int, int]:
@@ -67,21 +64,26 @@ def shingle_hashes(text: str, kind: str, ngram: int) -> np.ndarray:
 
 
 class MinHasher:
-    """MinHash signatures of ``num_perm`` permutations drawn from a seeded RNG."""
+    """MinHash signatures of ``num_perm`` hash functions drawn from a seeded RNG.
+
+    Function k is Dietzfelbinger's multiply-shift ``((a_k * h + b_k) mod 2^64) >> 32`` (a_k odd, 64-bit
+    a_k and b_k): strongly universal on 32-bit keys ``h``, and native uint64 arithmetic computes it.
+    """
 
     def __init__(self, num_perm: int, seed: int) -> None:
         rng = np.random.RandomState(seed)
-        # a, b < 2^31 and h < 2^32 keep a * h + b below 2^64: the arithmetic is exact in uint64.
-        self.a = rng.randint(1, 1 << 31, size=(num_perm, 1), dtype=np.int64).astype(np.uint64)
-        self.b = rng.randint(0, 1 << 31, size=(num_perm, 1), dtype=np.int64).astype(np.uint64)
+        words = rng.randint(0, 1 << 32, size=(4, num_perm, 1), dtype=np.int64).astype(np.uint64)
+        self.a = (words[0] << np.uint64(32)) | words[1] | np.uint64(1)
+        self.b = (words[2] << np.uint64(32)) | words[3]
 
     def signature(self, hashes: np.ndarray, block: int = 4096) -> np.ndarray:
-        """Return uint32 [num_perm]: the minima (low 32 bits) over ``hashes`` (uint64 [k])."""
+        """Return uint32 [num_perm]: for each function, its minimum over ``hashes`` (uint64 [k], < 2^32)."""
         sig = np.full(self.a.shape[0], np.iinfo(np.uint64).max, dtype=np.uint64)
-        for start in range(0, hashes.size, block):
-            h = hashes[None, start : start + block]
-            sig = np.minimum(sig, ((self.a * h + self.b) % MERSENNE).min(axis=1))
-        return (sig & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        with np.errstate(over="ignore"):  # wrapping mod 2^64 is the hash
+            for start in range(0, hashes.size, block):
+                h = hashes[None, start : start + block]
+                sig = np.minimum(sig, ((self.a * h + self.b) >> np.uint64(32)).min(axis=1))
+        return sig.astype(np.uint32)
 
 
 def find_pairs(signatures: np.ndarray, bands: int, rows: int, threshold: float, max_bucket: int = 50):
