@@ -34,12 +34,8 @@ class Barrier:
         self.calls += 1
 
 
-def build(
-    data_path, split="8,1,1", seq=8, seed=1234, samples=(40, 5, 5), cache=None, builder=True, barrier=None
-):
-    return build_train_valid_test_datasets(
-        data_path, split, seq, seed, samples, cache, builder, barrier or Barrier()
-    )
+def build(data_path, split="8,1,1", seq=8, seed=1234, samples=(40, 5, 5), cache=None, builder=True, barrier=None):
+    return build_train_valid_test_datasets(data_path, split, seq, seed, samples, cache, builder, barrier or Barrier())
 
 
 def reference_sample(ds, docs, k):

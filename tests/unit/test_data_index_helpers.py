@@ -130,9 +130,7 @@ def test_sample_idx_matches_megatron_loop(engine, seq_length):
     np.testing.assert_array_equal(got, megatron_sample_idx(sizes, doc_idx, seq_length, epochs, tokens))
 
 
-@pytest.mark.parametrize(
-    "tokens,seq,samples", [(10, 4, 0), (10, 4, 2), (10, 4, 3), (7, 1, 100), (1000, 128, 5)]
-)
+@pytest.mark.parametrize("tokens,seq,samples", [(10, 4, 0), (10, 4, 2), (10, 4, 3), (7, 1, 100), (1000, 128, 5)])
 def test_num_epochs_matches_megatron(tokens, seq, samples):
     assert index_helpers.num_epochs_needed(tokens, seq, samples) == megatron_num_epochs(tokens, seq, samples)
 
