@@ -108,6 +108,7 @@ inline int team_size() {
 // `isa()` / `set_isa(name)` on every module, so Python can report and pin the path that runs.
 inline void bind_isa(pybind11::module_& m) {
   m.def("isa", [] { return std::string(isa_name(active_isa())); }, "Name of the ISA path kernels use.");
+  m.def("best_isa", [] { return std::string(isa_name(detect_isa())); }, "Widest ISA path this CPU runs.");
   m.def(
       "set_isa",
       [](const std::string& name) {

@@ -10,15 +10,15 @@ namespace py = pybind11;
 
 namespace {
 
-void forward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t loss, std::uintptr_t lse, std::int64_t n,
-             std::int64_t v, std::int64_t ignore_index, int dtype, int threads) {
+void forward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t loss, std::uintptr_t row_max,
+             std::uintptr_t log_sum, std::int64_t n, std::int64_t v, std::int64_t ignore_index, int dtype, int threads) {
   std::int64_t bad_row = -1;
   {
     py::gil_scoped_release release;
     ML_DTYPE_CALL(dtype, {
       using A = typename isa::Acc<T>::type;
       isa::cross_entropy_forward<T>(ml::ptr<const T>(logits), ml::ptr<const std::int64_t>(targets), ml::ptr<A>(loss),
-                                    ml::ptr<A>(lse), n, v, ignore_index, threads, &bad_row);
+                                    ml::ptr<A>(row_max), ml::ptr<A>(log_sum), n, v, ignore_index, threads, &bad_row);
     });
   }
   if (bad_row >= 0) {
@@ -28,13 +28,14 @@ void forward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t loss,
   }
 }
 
-void backward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t lse, std::uintptr_t grad_loss,
+void backward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t row_max, std::uintptr_t log_sum,
+              std::uintptr_t grad_loss,
               std::uintptr_t grad, std::int64_t n, std::int64_t v, std::int64_t ignore_index, int dtype, int threads) {
   py::gil_scoped_release release;
   ML_DTYPE_CALL(dtype, {
     using A = typename isa::Acc<T>::type;
     isa::cross_entropy_backward<T>(ml::ptr<const T>(logits), ml::ptr<const std::int64_t>(targets),
-                                   ml::ptr<const A>(lse), ml::ptr<const A>(grad_loss), ml::ptr<T>(grad), n, v,
+                                   ml::ptr<const A>(row_max), ml::ptr<const A>(log_sum), ml::ptr<const A>(grad_loss), ml::ptr<T>(grad), n, v,
                                    ignore_index, threads);
   });
 }
@@ -44,10 +45,13 @@ void backward(std::uintptr_t logits, std::uintptr_t targets, std::uintptr_t lse,
 PYBIND11_MODULE(vocab_cross_entropy, m) {
   m.doc() = "Fused vocabulary cross entropy (CPU, runtime ISA dispatch).";
   ml::bind_isa(m);
-  m.def("forward", &forward, py::arg("logits"), py::arg("targets"), py::arg("loss"), py::arg("lse"), py::arg("n"),
+  m.def("forward", &forward, py::arg("logits"), py::arg("targets"), py::arg("loss"), py::arg("row_max"),
+        py::arg("log_sum"), py::arg("n"),
         py::arg("v"), py::arg("ignore_index"), py::arg("dtype"), py::arg("threads"),
-        "loss[n] = logsumexp(logits[n,v]) - logits[n, target]; lse[n] saved (float32, float64 for float64).");
-  m.def("backward", &backward, py::arg("logits"), py::arg("targets"), py::arg("lse"), py::arg("grad_loss"),
+        "loss[n] = logsumexp(logits[n,v]) - logits[n, target]; also writes row_max[n] and log_sum[n] = "
+        "log(sum(exp(logits - row_max))) for backward (float32, float64 for float64 logits).");
+  m.def("backward", &backward, py::arg("logits"), py::arg("targets"), py::arg("row_max"), py::arg("log_sum"),
+        py::arg("grad_loss"),
         py::arg("grad"), py::arg("n"), py::arg("v"), py::arg("ignore_index"), py::arg("dtype"), py::arg("threads"),
         "grad[n,v] = grad_loss * (softmax(logits) - one_hot(target)), zero rows for ignore_index.");
 }

@@ -1,10 +1,12 @@
-// Cross entropy over a vocabulary row, fused: the forward keeps only log-sum-exp per row (never the
-// [n, v] softmax) and the backward writes softmax - one_hot in one pass. Included once per ISA by
-// isa_dispatch.h. logits are [n, v]; targets, loss and lse are [n].
+// Cross entropy over a vocabulary row, fused: the forward keeps only the row max and log(sum(exp))
+// per row (never the [n, v] softmax) and the backward writes softmax - one_hot in one pass. Included
+// once per ISA by isa_dispatch.h. logits are [n, v]; targets, loss, row_max, log_sum are [n].
+// Max and log-sum are kept apart rather than as lse = max + log_sum: with logits around 3e4 a float
+// lse has an ulp of 0.002, which would show up in both the loss and exp(x - lse).
 
 template <class T>
 void cross_entropy_forward(const T* logits, const std::int64_t* targets, typename Acc<T>::type* loss,
-                           typename Acc<T>::type* lse_out, std::int64_t n, std::int64_t v, std::int64_t ignore_index,
+                           typename Acc<T>::type* max_out, typename Acc<T>::type* log_sum_out, std::int64_t n, std::int64_t v, std::int64_t ignore_index,
                            int threads, std::int64_t* bad_row) {
   using A = typename Acc<T>::type;
   const int nt = threads_for(threads, n * v);
@@ -23,8 +25,9 @@ void cross_entropy_forward(const T* logits, const std::int64_t* targets, typenam
     A sum = 0;
 #pragma omp simd reduction(+ : sum)
     for (std::int64_t j = 0; j < v; ++j) sum += fast_exp(load(xr, j) - mx);
-    const A lse = mx + fast_log(sum);
-    lse_out[r] = lse;
+    const A log_sum = fast_log(sum);
+    max_out[r] = mx;
+    log_sum_out[r] = log_sum;
     const std::int64_t t = targets[r];
     if (t == ignore_index) {
       loss[r] = A(0);
@@ -32,15 +35,17 @@ void cross_entropy_forward(const T* logits, const std::int64_t* targets, typenam
       loss[r] = std::numeric_limits<A>::quiet_NaN();
       bad = r;
     } else {
-      loss[r] = lse - load(xr, t);
+      loss[r] = (mx - load(xr, t)) + log_sum;
     }
   }
   *bad_row = bad;
 }
 
-// grad[r, j] = grad_loss[r] * (exp(logits[r, j] - lse[r]) - [j == target[r]]); zero for ignored rows.
+// grad[r, j] = grad_loss[r] * (exp(logits[r, j] - max[r] - log_sum[r]) - [j == target[r]]); zero for
+// ignored rows.
 template <class T>
-void cross_entropy_backward(const T* logits, const std::int64_t* targets, const typename Acc<T>::type* lse,
+void cross_entropy_backward(const T* logits, const std::int64_t* targets, const typename Acc<T>::type* row_max,
+                            const typename Acc<T>::type* log_sum,
                             const typename Acc<T>::type* grad_loss, T* grad, std::int64_t n, std::int64_t v,
                             std::int64_t ignore_index, int threads) {
   using A = typename Acc<T>::type;
@@ -51,9 +56,10 @@ void cross_entropy_backward(const T* logits, const std::int64_t* targets, const 
     T* gr = grad + r * v;
     const std::int64_t t = targets[r];
     const A g = t == ignore_index ? A(0) : grad_loss[r];
-    const A l = lse[r];
+    const A mx = row_max[r];
+    const A ls = log_sum[r];
 #pragma omp simd
-    for (std::int64_t j = 0; j < v; ++j) store(gr, j, g * fast_exp(load(xr, j) - l));
+    for (std::int64_t j = 0; j < v; ++j) store(gr, j, g * fast_exp((load(xr, j) - mx) - ls));
     if (t != ignore_index && t >= 0 && t < v) store(gr, t, load(gr, t) - g);
   }
 }

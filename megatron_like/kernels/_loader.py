@@ -64,6 +64,17 @@ def csrc_isa() -> str | None:
     return None if module is None else module.isa()
 
 
+def set_csrc_isa(name: str | None) -> None:
+    """Pin every kernel module to the "avx512", "avx2" or "scalar" path (None: the CPU's best).
+
+    For tests and benchmarks of the narrower paths; raises ValueError if the CPU lacks that ISA.
+    """
+    for module_name in KERNEL_MODULES:
+        module = load(module_name)
+        if module is not None:
+            module.set_isa(module.best_isa() if name is None else name)
+
+
 KERNEL_MODULES = (
     "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax",

@@ -153,6 +153,13 @@ class CPUAdam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict saved by torch.optim.AdamW lacks our group keys: fill in the defaults.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", True)
+            group.setdefault("bias_correction", True)
+
     @torch.no_grad()
     def step(
         self,

@@ -1,7 +1,7 @@
 """Fused vocabulary cross entropy: per-row loss without materializing the softmax.
 
 ``fused_vocab_cross_entropy(logits, targets)`` returns ``logsumexp(logits) - logits[target]`` per
-row. The forward keeps only the log-sum-exp ``[n]``; the backward writes
+row. The forward keeps only the row max and log-sum ``[n]``; the backward writes
 ``grad_loss * (softmax - one_hot)`` in one pass over the logits. PyTorch's
 ``F.cross_entropy(reduction="none")`` instead writes a ``[n, v]`` log-softmax in the forward and
 reads and writes ``[n, v]`` twice in the backward. The loss is float32 for 32/16-bit logits (float64
@@ -28,23 +28,30 @@ def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None
 
 def _cross_entropy_forward_torch(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (loss [n], lse [n]) for ``logits`` ``[n, v]`` with PyTorch ops (the fallback)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return (loss, row_max, log_sum), each ``[n]``, for ``logits`` ``[n, v]`` (the fallback)."""
     _check_targets(targets, logits.shape[-1], ignore_index)
     x = logits.to(accum_dtype(logits.dtype))
-    lse = torch.logsumexp(x, dim=-1)
+    row_max = x.amax(dim=-1)
+    log_sum = torch.exp(x - row_max.unsqueeze(1)).sum(dim=-1).log()
     keep = targets != ignore_index
     picked = x.gather(1, torch.where(keep, targets, 0).unsqueeze(1)).squeeze(1)
-    return torch.where(keep, lse - picked, 0.0), lse
+    return torch.where(keep, (row_max - picked) + log_sum, 0.0), row_max, log_sum
 
 
 def _cross_entropy_backward_torch(
-    logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor, ignore_index: int
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    grad_loss: torch.Tensor,
+    ignore_index: int,
 ) -> torch.Tensor:
     """Return ``grad_loss * (softmax - one_hot)`` ``[n, v]`` (the fallback)."""
     keep = targets != ignore_index
-    g = torch.where(keep, grad_loss.to(lse.dtype), 0.0)
-    grad = torch.exp(logits.to(lse.dtype) - lse.unsqueeze(1)) * g.unsqueeze(1)
+    g = torch.where(keep, grad_loss.to(log_sum.dtype), 0.0)
+    shifted = logits.to(log_sum.dtype) - row_max.unsqueeze(1)
+    grad = torch.exp(shifted - log_sum.unsqueeze(1)) * g.unsqueeze(1)
     grad.scatter_add_(1, torch.where(keep, targets, 0).unsqueeze(1), -g.unsqueeze(1))
     return grad.to(logits.dtype)
 
@@ -60,12 +67,14 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
         if module is not None:
             logits = logits.contiguous()
             loss = torch.empty(n, dtype=accum_dtype(logits.dtype))
-            lse = torch.empty_like(loss)
+            row_max = torch.empty_like(loss)
+            log_sum = torch.empty_like(loss)
             module.forward(
                 logits.data_ptr(),
                 targets.data_ptr(),
                 loss.data_ptr(),
-                lse.data_ptr(),
+                row_max.data_ptr(),
+                log_sum.data_ptr(),
                 n,
                 v,
                 ignore_index,
@@ -73,24 +82,26 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
                 threads(),
             )
         else:
-            loss, lse = _cross_entropy_forward_torch(logits, targets, ignore_index)
-        ctx.save_for_backward(logits, targets, lse)
+            loss, row_max, log_sum = _cross_entropy_forward_torch(logits, targets, ignore_index)
+        ctx.save_for_backward(logits, targets, row_max, log_sum)
         ctx.ignore_index = ignore_index
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, targets, lse = ctx.saved_tensors
+        logits, targets, row_max, log_sum = ctx.saved_tensors
         module = load("vocab_cross_entropy") if cpu_supported(logits) and grad_loss.device.type == "cpu" else None
         if module is None:
-            return _cross_entropy_backward_torch(logits, targets, lse, grad_loss, ctx.ignore_index), None, None
+            grad = _cross_entropy_backward_torch(logits, targets, row_max, log_sum, grad_loss, ctx.ignore_index)
+            return grad, None, None
         n, v = logits.shape
-        grad_loss = grad_loss.to(lse.dtype).contiguous()
+        grad_loss = grad_loss.to(log_sum.dtype).contiguous()
         grad = torch.empty_like(logits)
         module.backward(
             logits.data_ptr(),
             targets.data_ptr(),
-            lse.data_ptr(),
+            row_max.data_ptr(),
+            log_sum.data_ptr(),
             grad_loss.data_ptr(),
             grad.data_ptr(),
             n,

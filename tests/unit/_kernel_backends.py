@@ -1,0 +1,45 @@
+"""Shared fixture for the kernel tests: run each test on every compiled ISA path and on the fallback.
+
+Params: "avx512", "avx2", "scalar" pin the C++ kernels to that vector path (skipped when the CPU lacks
+it); "fallback" sets MEGATRON_LIKE_NO_CSRC=1 so the pure-PyTorch implementation runs. A missing build
+fails the compiled params (the README setup must build csrc/) unless MEGATRON_LIKE_NO_CSRC was set
+for the whole session.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_like.kernels import _loader
+
+BACKENDS = ["avx512", "avx2", "scalar", "fallback"]
+_ISA_ORDER = ["scalar", "avx2", "avx512"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Yield the backend name with the kernels switched to it; restores the best ISA afterwards."""
+    name = request.param
+    if name == "fallback":
+        monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+        yield name
+        return
+    if _loader.csrc_disabled():
+        pytest.skip("MEGATRON_LIKE_NO_CSRC is set for this session")
+    if not _loader.csrc_available():
+        pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
+    best = _loader.load("layer_norm").best_isa()
+    if _ISA_ORDER.index(name) > _ISA_ORDER.index(best):
+        pytest.skip(f"this CPU has no {name}")
+    _loader.set_csrc_isa(name)
+    try:
+        yield name
+    finally:
+        _loader.set_csrc_isa(None)
+
+
+def compiled(backend_name: str) -> bool:
+    """Return whether the compiled kernels run under this backend param."""
+    return backend_name != "fallback" and not os.environ.get(_loader.NO_CSRC_ENV)
