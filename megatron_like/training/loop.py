@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
+from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import finish_grad_sync
 from megatron_like.model import chunk_layers
 from megatron_like.optimizer import build_optimizer, clip_grads, global_grad_norm
@@ -24,7 +25,6 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import seed_everything
 from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron_like.training.data_loading import build_data_iterator
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token, format_log_line
 
@@ -149,10 +149,14 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     eval_runs = t.train_iters // log.eval_interval + 1
     num_samples = (t.train_iters * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     train_ds, valid_ds, _ = datasets_provider(config, ps, num_samples)
-    train_iter = build_data_iterator(train_ds, consumed, t.micro_batch_size, ps.dp_rank, ps.dp_size,
-                                     config.data.num_workers)
-    valid_iter = build_data_iterator(valid_ds, 0, t.micro_batch_size, ps.dp_rank, ps.dp_size,
-                                     config.data.num_workers)
+
+    def data_iterator(dataset: Any, consumed_samples: int) -> Any:
+        loader = build_pretraining_data_loader(dataset, consumed_samples, t.micro_batch_size, ps.dp_rank,
+                                               ps.dp_size, config.data.num_workers)
+        return None if loader is None else iter(loader)
+
+    train_iter = data_iterator(train_ds, consumed)
+    valid_iter = data_iterator(valid_ds, 0)
 
     result = TrainingResult(iteration=iteration, model=model)
     vocab = padded_vocab_size or getattr(model[-1], "vocab_size", 0)
