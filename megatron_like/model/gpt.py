@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ModelConfig
-from megatron_like.model.transformer import TransformerLayer, layer_norm, sharded_dropout_context
+from megatron_like.model.transformer import (
+    TransformerLayer,
+    forward_layers,
+    layer_norm,
+    sharded_dropout_context,
+)
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
@@ -131,6 +136,7 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        inference_context=None,
     ) -> torch.Tensor:
         """Run this chunk.
 
@@ -140,6 +146,9 @@ class GPTModel(nn.Module):
             hidden_states: ``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) from the
                 previous pipeline stage (every chunk but the first); defaults to the tensor given to
                 ``set_input_tensor`` by the pipeline schedule.
+            inference_context: a KV cache (``megatron_like.inference.KVCache``) for generation: the
+                layers attend over the cached tokens and the last chunk computes the logits of the
+                last position only (``[b, 1, v / tp]``).
         Returns:
             the per-token loss ``[b, s]`` (float32) on the last chunk when ``labels`` are given, its
             logits ``[b, s, v / tp]`` otherwise, and the hidden states for the next stage elsewhere.
@@ -150,10 +159,16 @@ class GPTModel(nn.Module):
             hidden_states = self.input_tensor
         if hidden_states is None:
             raise ValueError("a chunk without the embedding needs hidden_states from the previous stage")
-        for layer in self.layers:
-            hidden_states = layer(hidden_states)
-        if not self.post_process:
-            return hidden_states
+        if inference_context is not None:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, inference_context)
+            if not self.post_process:
+                return hidden_states
+            hidden_states = hidden_states[-1:]  # generation needs only the next-token logits
+        else:
+            hidden_states = forward_layers(self.layers, hidden_states, self.config)  # recompute-aware
+            if not self.post_process:
+                return hidden_states
 
         hidden_states = self.final_layernorm(hidden_states)
         output_weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None

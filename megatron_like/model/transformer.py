@@ -4,6 +4,11 @@ Activations are ``[s, b, h]`` (sequence first, as in Megatron): with sequence pa
 LayerNorm/dropout regions hold ``[s / tp, b, h]`` and the tensor-parallel linears gather/scatter at
 their boundaries. Inside attention and the MLP each rank holds ``heads / tp`` heads and ``ffn / tp``
 features. Read this file top to bottom like a single-file model.
+
+Activation recomputation (``--recompute-granularity``) lives here too: ``selective`` re-runs only the
+attention core (its ``[b, np, s, s]`` scores dominate activation memory and cost few FLOPs);
+``full`` re-runs whole layers (:func:`forward_layers`). Both go through the recompute-safe
+``checkpoint``, so dropout masks are the same on the re-run.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from megatron_like.tensor_parallel import (
     mark_replicated,
     normal_init,
 )
+from megatron_like.tensor_parallel.random import checkpoint
 
 
 def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device):
@@ -53,6 +59,8 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // ps.tp_size
         self.head_dim = h // config.num_attention_heads
         self.attention_dropout = config.attention_dropout
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.layer = layer
         self.qkv = ColumnParallelLinear(
             h, 3 * h, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
             name=f"layers.{layer}.attention.qkv", sequence_parallel=sequence_parallel, dtype=dtype,
@@ -77,9 +85,28 @@ class SelfAttention(nn.Module):
             context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` (or its sequence shard) -> same shape."""
-        return self.proj(self.core_attention(self.qkv(x)))
+    def cached_attention(self, qkv: torch.Tensor, inference_context) -> torch.Tensor:
+        """Attention of new tokens over cached ones (generation): ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``.
+
+        ``inference_context.update_kv(layer, k, v)`` appends this step's keys and values ``[b, np, s, hd]``
+        to its cache and returns every cached key and value ``[b, np, t, hd]`` with the attention mask
+        (bool ``[b, 1, s, t]``, True = attend; None = attend to all) that encodes causality and padding.
+        """
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # (3, b, np, s, hd)
+        q, k, v = qkv.unbind(0)
+        k, v, mask = inference_context.update_kv(self.layer, k, v)  # (b, np, t, hd)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, np, s, hd)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
+        """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation)."""
+        if inference_context is not None:
+            return self.proj(self.cached_attention(self.qkv(x), inference_context))
+        qkv = self.qkv(x)
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            return self.proj(checkpoint(self.core_attention, qkv))
+        return self.proj(self.core_attention(qkv))
 
 
 class MLP(nn.Module):
@@ -123,7 +150,45 @@ class TransformerLayer(nn.Module):
         with sharded_dropout_context(self.sequence_parallel):
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> same shape."""
+    def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
+        """``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> same shape.
+
+        ``inference_context`` (generation only): the KV cache passed to attention, see SelfAttention.
+        """
+        if inference_context is not None:
+            x = x + self.attention(self.ln1(x), inference_context)
+            return x + self.mlp(self.ln2(x))
         x = x + self.dropout(self.attention(self.ln1(x)))
         return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+def forward_layers(layers: nn.ModuleList, hidden_states: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Run ``layers`` in order on ``[s, b, h]``, with full recomputation when configured and training.
+
+    ``uniform`` checkpoints consecutive groups of ``--recompute-num-layers`` layers (only each group's
+    input is kept); ``block`` checkpoints the first ``--recompute-num-layers`` layers of this chunk one
+    by one and runs the rest normally (later pipeline stages hold fewer micro batches in flight).
+    """
+    recompute = (
+        config.recompute_granularity == "full" and len(layers) > 0 and layers[0].training
+        and torch.is_grad_enabled()
+    )
+    if not recompute:
+        for layer in layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        for start in range(0, len(layers), n):
+            group = layers[start : start + n]
+
+            def run_group(x: torch.Tensor, group: nn.ModuleList = group) -> torch.Tensor:
+                for layer in group:
+                    x = layer(x)
+                return x
+
+            hidden_states = checkpoint(run_group, hidden_states)
+        return hidden_states
+    for index, layer in enumerate(layers):
+        hidden_states = checkpoint(layer, hidden_states) if index < n else layer(hidden_states)
+    return hidden_states

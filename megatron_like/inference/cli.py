@@ -1,0 +1,64 @@
+"""Shared command-line plumbing of the inference tools: the config flags plus tool flags, process
+groups, loading the checkpoint, printing on one rank.
+
+Tools build their parser from ``megatron_like.config.build_parser()`` (so ``--load``,
+``--tensor-model-parallel-size``, ``--tokenizer-type``, ``--vocab-file``... keep their Megatron names) and
+add their own flags to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from megatron_like.config import Config, ConfigError, build_parser, config_from_namespace
+from megatron_like.inference.loading import InferenceModel, load_inference_model
+from megatron_like.parallel_state import ParallelState
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def inference_parser(description: str) -> argparse.ArgumentParser:
+    """``build_parser()`` with this tool's description (tools add a group of their own flags)."""
+    parser = build_parser(description)
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="Load this iteration instead of the latest checkpointed one.")
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
+    """Parse ``argv``: the tool's own flags (namespace) and the config flags (not validated as a training run)."""
+    args = parser.parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    config = config_from_namespace(args, world_size)
+    if config.checkpoint.load is None:
+        parser.error("--load <checkpoint dir> is required")
+    return args, config
+
+
+def setup(config: Config) -> ParallelState:
+    """Start the process groups of a tp x pp layout (one model replica: no data parallelism)."""
+    p = config.parallel
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if config.world_size != tp * pp:
+        raise ConfigError(
+            f"inference runs one model replica: launch --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} processes, not {config.world_size}"
+        )
+    return ParallelState.initialize(p, config.world_size)
+
+
+def load(config: Config, ps: ParallelState, iteration: int | None = None) -> InferenceModel:
+    """This rank's chunk of the checkpoint ``--load`` in the layout of ``ps``."""
+    return load_inference_model(config.checkpoint.load, ps, cli_data=config.data, iteration=iteration,
+                                dtype=DTYPES[config.params_dtype_name])
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print ``error: message`` once (rank 0) and exit."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)

@@ -1,0 +1,80 @@
+"""The key/value cache of generation: what ``GPTModel.forward(..., inference_context=cache)`` reads.
+
+Each layer's keys and values live in one preallocated buffer ``[b, np, max_length, hd]`` (``np`` =
+heads of this tp rank), filled left to right: a prompt of ``s`` tokens fills ``[0, s)`` in one forward
+(prefill), then every decode step appends one position. Prompts of different lengths are *left padded*
+so that every row's next token sits at the same column; ``valid [b, max_length]`` says which columns
+hold real tokens, and the attention mask keeps queries off the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Per-layer key/value buffers plus the padding mask of a batch being generated.
+
+    Args:
+        batch_size: rows (prompts x beams x return sequences).
+        max_length: longest sequence the cache holds (prompt + new tokens).
+        valid: bool ``[b, max_length]``, False at left-padding columns; None = no padding.
+    """
+
+    def __init__(self, batch_size: int, max_length: int, valid: torch.Tensor | None = None) -> None:
+        self.batch_size, self.max_length = batch_size, max_length
+        self.valid = valid
+        self.offset = 0
+        """Columns already filled; the next forward writes its tokens from here."""
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self._mask: tuple[tuple[int, int], torch.Tensor | None] | None = None
+
+    def update_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Store this step's ``k, v [b, np, s, hd]`` for ``layer``; return all keys, values ``[b, np, t, hd]``
+        (``t = offset + s``) and the bool attention mask ``[b, 1, s, t]`` (None: attend to everything)."""
+        b, heads, s, head_dim = k.shape
+        if self.offset + s > self.max_length:
+            raise ValueError(f"KV cache of {self.max_length} positions cannot take {self.offset + s}")
+        if layer not in self.keys:
+            shape = (b, heads, self.max_length, head_dim)
+            self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.values[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+        end = self.offset + s
+        self.keys[layer][:, :, self.offset:end] = k
+        self.values[layer][:, :, self.offset:end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self.attention_mask(s, k.device)
+
+    def attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
+        """The mask of queries ``[offset, offset + s)`` over keys ``[0, offset + s)``, shared by all layers."""
+        if self._mask is not None and self._mask[0] == (self.offset, s):
+            return self._mask[1]
+        end = self.offset + s
+        mask = None
+        if s > 1:
+            rows = torch.arange(self.offset, end, device=device)[:, None]
+            mask = (torch.arange(end, device=device)[None, :] <= rows)[None, None]  # (1, 1, s, t) causal
+        if self.valid is not None and not bool(self.valid[:, :end].all()):
+            keys_ok = self.valid[:, None, None, :end].to(device)  # (b, 1, 1, t)
+            mask = keys_ok if mask is None else mask & keys_ok
+            # A query on a padding column would see no key at all (softmax of nothing = NaN, which the
+            # zero attention weights of later queries would still multiply): let it see itself.
+            diagonal = torch.zeros(s, end, dtype=torch.bool, device=device)
+            diagonal[torch.arange(s), torch.arange(self.offset, end)] = True
+            mask = mask | diagonal[None, None]
+        self._mask = ((self.offset, s), mask)
+        return mask
+
+    def advance(self, s: int) -> None:
+        """Mark ``s`` more columns as filled (call once per model forward, after every chunk ran)."""
+        self.offset += s
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows [b]`` of every buffer in that order (beam search picks its surviving beams)."""
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer].index_select(0, rows)
+            self.values[layer] = self.values[layer].index_select(0, rows)
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, rows)
+        self._mask = None

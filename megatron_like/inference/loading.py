@@ -1,0 +1,92 @@
+"""Load a checkpoint of any (tp, pp) layout into the model chunk of this rank in the current layout.
+
+Every rank reads the shards it needs through ``megatron_like.model.state`` (merge to full weights, cut
+this rank's slices), so a checkpoint trained at tp=2 x pp=2 generates at tp=2 x pp=1 or in one
+process. The tokenizer comes from the flags or, by default, from the checkpoint's saved config.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from megatron_like.config import Config, DataConfig
+from megatron_like.model.gpt import GPTModel, chunk_layers
+from megatron_like.model.state import load_full_state, load_into_model
+from megatron_like.parallel_state import ParallelState
+
+
+@dataclass
+class InferenceModel:
+    """What generation, evaluation and the server need from a checkpoint."""
+
+    model: list[GPTModel]
+    """This rank's chunk (one element), in eval mode."""
+    config: Config
+    """The saved config with this run's parallel layout."""
+    tokenizer: object | None
+    """``build_tokenizer`` result (tokenize/detokenize/eod/vocab_size), or None: token ids only."""
+    vocab_size: int
+    """Real vocabulary (logits of the padding rows are dropped)."""
+    eod: int | None
+    """End-of-text id generation stops at (None: no tokenizer, never stop early)."""
+    iteration: int | None = None
+
+
+def build_tokenizer_for(data: DataConfig, vocab_size: int | None):
+    """The tokenizer a DataConfig names; None for a mock-data run without a tokenizer (ids only)."""
+    if data.tokenizer_type is None and data.mock_data:
+        return None
+    from megatron_like.data.tokenizer import build_tokenizer
+
+    return build_tokenizer(data.tokenizer_type, data.vocab_file, data.merge_file, data.tokenizer_model, vocab_size)
+
+
+def tokenizer_overrides(saved: DataConfig, cli: DataConfig | None) -> DataConfig:
+    """The saved data section with the tokenizer flags given on this command line taking precedence."""
+    data = copy.deepcopy(saved)
+    if cli is not None and cli.tokenizer_type is not None:
+        data.tokenizer_type = cli.tokenizer_type
+        data.vocab_file, data.merge_file, data.tokenizer_model = cli.vocab_file, cli.merge_file, cli.tokenizer_model
+        data.mock_data = False
+    return data
+
+
+def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConfig | None = None,
+                         iteration: int | None = None, dtype: torch.dtype = torch.float32,
+                         with_tokenizer: bool = True) -> InferenceModel:
+    """Build this rank's GPT chunk in ``ps``'s layout and fill it from the checkpoint under ``load_dir``."""
+    saved, full = load_full_state(load_dir, iteration)
+    config = copy.deepcopy(saved)
+    config.parallel.tensor_model_parallel_size = ps.tp_size
+    config.parallel.pipeline_model_parallel_size = ps.pp_size
+    config.parallel.num_layers_per_virtual_pipeline_stage = None
+    config.parallel.sequence_parallel = False
+    config.world_size = ps.world_size
+    config.data = tokenizer_overrides(saved.data, cli_data)
+    m = config.model
+    if m.num_attention_heads % ps.tp_size or m.num_layers % ps.pp_size:
+        raise ValueError(
+            f"the checkpoint's {m.num_attention_heads} heads / {m.num_layers} layers do not split over "
+            f"--tensor-model-parallel-size {ps.tp_size} / --pipeline-model-parallel-size {ps.pp_size}"
+        )
+    saved_rows = full["embedding.word_embeddings.weight"].shape[0]
+    tokenizer = build_tokenizer_for(config.data, m.vocab_size) if with_tokenizer else None
+    if tokenizer is not None:
+        vocab_size = min(tokenizer.vocab_size, saved_rows)
+    elif m.vocab_size is not None:
+        vocab_size = min(m.vocab_size, saved_rows)
+    else:
+        vocab_size = saved_rows
+    padded = max(config.padded_vocab_size(vocab_size), 0)
+    layers = chunk_layers(m.num_layers, ps.pp_size, ps.pp_rank)
+    chunk = GPTModel(m, ps, vocab_size=padded, seed=config.training.seed, layers=layers,
+                     pre_process=ps.is_first_stage, post_process=ps.is_last_stage, dtype=dtype)
+    load_into_model([chunk], {k: v.to(dtype) for k, v in full.items()})
+    chunk.eval()
+    eod = tokenizer.eod if tokenizer is not None else None
+    if eod is not None and eod >= vocab_size:
+        vocab_size = min(eod + 1, padded)
+    return InferenceModel([chunk], config, tokenizer, vocab_size, eod)

@@ -1,0 +1,240 @@
+"""Layout-independent model weights: merge a checkpoint of any (tp, pp, vp) layout into full weights and
+cut full weights into the chunks of any other layout.
+
+A *full state* is the state dict of the whole single-process model with *global* layer indices
+(``layers.7.mlp.fc1.weight``) and the vocabulary rows padded as saved. How each parameter splits over
+tensor parallelism is read from the parameters themselves (``tensor_model_parallel`` and
+``partition_dim``, set by the tensor-parallel layers), so a forked model with new parameters needs no
+edit here. Used by generation (load any checkpoint into any layout), the Hugging Face converter and the
+checkpoint resharding tool.
+
+Checkpoint layout read here (DESIGN.md §5)::
+
+    <root>/latest_checkpointed_iteration.txt
+    <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   {"config": ..., "model": [chunk states]}
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from megatron_like.config import Config, ModelConfig
+from megatron_like.model.gpt import WORD_EMBEDDINGS, GPTModel, chunk_layers
+from megatron_like.parallel_state import ParallelState
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_FILE = "model_optim_rng.pt"
+VOCAB_PARAMS = (WORD_EMBEDDINGS + ".weight", "output_layer.weight")
+"""Parameters whose first dimension is the padded vocabulary."""
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint directory that cannot be read; the message says what is missing."""
+
+
+# --------------------------------------------------------------------------------------------------
+# How parameters split over tensor parallelism
+# --------------------------------------------------------------------------------------------------
+
+
+def _pattern(name: str) -> str:
+    return _LAYER.sub("layers.*.", name)
+
+
+@functools.cache
+def partition_rules() -> dict[str, int | None]:
+    """Return ``{name pattern: partition dim or None (replicated)}`` of every GPT parameter.
+
+    Read from the attributes of a tiny single-process model with an untied output layer, so the rules
+    follow the model code; layer indices in the patterns are ``*``.
+    """
+    tiny = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
+                       untie_embeddings_and_output_weights=True)
+    model = GPTModel(tiny, ParallelState.single_process(torch.device("cpu")), vocab_size=8, seed=0)
+    return {_pattern(name): (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+            for name, p in model.named_parameters()}
+
+
+def partition_dim(name: str) -> int | None:
+    """The tensor-parallel split dimension of parameter ``name`` (None = every tp rank holds it whole)."""
+    rules = partition_rules()
+    pattern = _pattern(name)
+    if pattern not in rules:
+        raise KeyError(f"parameter {name!r} is not a GPT parameter (known: {', '.join(sorted(rules))})")
+    return rules[pattern]
+
+
+# --------------------------------------------------------------------------------------------------
+# Local (chunk) names <-> global names; tp merge and split
+# --------------------------------------------------------------------------------------------------
+
+
+def to_global_names(chunk_state: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
+    """Rename a chunk's ``layers.<i>.`` (index in the chunk) to ``layers.<layers[i]>.`` (global index)."""
+    return {_LAYER.sub(lambda m: f"layers.{layers[int(m.group(1))]}.", k): v for k, v in chunk_state.items()}
+
+
+def merge_tp(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Full tensors from the state dicts of all tp ranks (in tp-rank order) of one chunk."""
+    merged = {}
+    for name, first in shards[0].items():
+        dim = partition_dim(name)
+        merged[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+    return merged
+
+
+def split_tp(tensor: torch.Tensor, name: str, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """Tp rank ``tp_rank``'s part of the full parameter ``name``."""
+    dim = partition_dim(name)
+    if dim is None or tp_size == 1:
+        return tensor
+    if tensor.shape[dim] % tp_size:
+        raise ValueError(f"{name}: dimension {dim} of size {tensor.shape[dim]} does not split over tp {tp_size}")
+    return tensor.chunk(tp_size, dim=dim)[tp_rank].clone()
+
+
+def resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Trim or zero-pad the padded-vocabulary rows of ``tensor [v, h]`` to ``rows`` (tp layouts pad differently)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    if tensor.shape[0] > rows:
+        return tensor[:rows]
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: range, pre_process: bool,
+                post_process: bool, tp_size: int, tp_rank: int, padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """The state dict of one GPT chunk (local layer names, this tp rank's slices) cut from a full state.
+
+    A last chunk without the embedding gets ``output_layer.weight`` = the word embedding when tied.
+    """
+    out: dict[str, torch.Tensor] = {}
+    position = {g: i for i, g in enumerate(layers)}
+    for name, tensor in full.items():
+        match = _LAYER.match(name)
+        if match:
+            layer = int(match.group(1))
+            if layer not in position:
+                continue
+            local = _LAYER.sub(f"layers.{position[layer]}.", name)
+        elif name.startswith("embedding."):
+            if not pre_process:
+                continue
+            local = name
+        elif name.startswith(("final_layernorm.", "output_layer.")):
+            if not post_process:
+                continue
+            local = name
+        else:
+            raise KeyError(f"unexpected parameter {name!r} in the full state")
+        if name in VOCAB_PARAMS:
+            tensor = resize_vocab(tensor, padded_vocab_size)
+        out[local] = split_tp(tensor, name, tp_size, tp_rank)
+    tied = not config.untie_embeddings_and_output_weights
+    if post_process and tied and not pre_process:
+        word = resize_vocab(full[VOCAB_PARAMS[0]], padded_vocab_size)
+        out["output_layer.weight"] = split_tp(word, VOCAB_PARAMS[0], tp_size, tp_rank)
+    return out
+
+
+def shard_full_state(full: dict[str, torch.Tensor], config: Config, tp_rank: int, pp_rank: int,
+                     padded_vocab_size: int) -> list[dict[str, torch.Tensor]]:
+    """The chunk state dicts of rank (tp_rank, pp_rank) in ``config``'s layout (one per virtual stage)."""
+    p = config.parallel
+    pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    states = []
+    for v in range(vp):
+        states.append(chunk_state(
+            full, config.model, layers=chunk_layers(config.model.num_layers, pp, pp_rank, vp, v),
+            pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
+            tp_size=p.tensor_model_parallel_size, tp_rank=tp_rank, padded_vocab_size=padded_vocab_size,
+        ))
+    return states
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading checkpoints
+# --------------------------------------------------------------------------------------------------
+
+
+def checkpoint_iteration_dir(root: str, iteration: int | None = None) -> str:
+    """``<root>/iter_XXXXXXX`` of ``iteration`` (default: the latest one)."""
+    if iteration is None:
+        tracker = os.path.join(root, TRACKER_FILE)
+        if not os.path.exists(tracker):
+            raise CheckpointLoadError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
+        with open(tracker) as f:
+            text = f.read().strip()
+        if not text.isdigit():
+            raise CheckpointLoadError(f"{tracker} holds {text!r}, not an iteration number")
+        iteration = int(text)
+    path = os.path.join(root, f"iter_{iteration:07d}")
+    if not os.path.isdir(path):
+        raise CheckpointLoadError(f"checkpoint directory {path} is missing")
+    return path
+
+
+def _load(path: str) -> dict:
+    # mmap: the optimizer state stored beside the weights is never read from disk.
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def read_saved_config(root: str, iteration: int | None = None) -> Config:
+    """The Config a checkpoint was saved with (from its first shard)."""
+    path = os.path.join(checkpoint_iteration_dir(root, iteration), "mp_rank_00_000", CHECKPOINT_FILE)
+    if not os.path.exists(path):
+        raise CheckpointLoadError(f"checkpoint file {path} is missing")
+    return Config.from_dict(_load(path)["config"])
+
+
+def load_full_state(root: str, iteration: int | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
+    """Merge every ``mp_rank_TT_PPP`` shard of a checkpoint; return (saved config, full state).
+
+    The full state has global layer names and the word embedding (and untied output layer) with the
+    saved padded vocabulary; a tied copy of the embedding held by the last stage is dropped.
+    """
+    it_dir = checkpoint_iteration_dir(root, iteration)
+    config = read_saved_config(root, iteration)
+    p, m = config.parallel, config.model
+    tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    full: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        shards = []
+        for tp_rank in range(tp):
+            path = os.path.join(it_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}", CHECKPOINT_FILE)
+            if not os.path.exists(path):
+                raise CheckpointLoadError(f"checkpoint file {path} is missing (saved with tp {tp}, pp {pp})")
+            shards.append(_load(path)["model"])
+        for v in range(vp):
+            merged = merge_tp([chunks[v] for chunks in shards])
+            full.update(to_global_names(merged, chunk_layers(m.num_layers, pp, pp_rank, vp, v)))
+    if not m.untie_embeddings_and_output_weights:
+        full.pop("output_layer.weight", None)
+    return config, {k: v.clone() for k, v in full.items()}
+
+
+def load_into_model(model: Sequence[GPTModel], full: dict[str, torch.Tensor]) -> None:
+    """Copy the slices of ``full`` that the chunks of this rank hold into them (strict: every key must match)."""
+    for chunk in model:
+        ps = chunk.ps
+        layers = range(chunk.layers[0].layer, chunk.layers[-1].layer + 1) if len(chunk.layers) else range(0)
+        state = chunk_state(full, chunk.config, layers=layers, pre_process=chunk.pre_process,
+                            post_process=chunk.post_process, tp_size=ps.tp_size, tp_rank=ps.tp_rank,
+                            padded_vocab_size=chunk.vocab_size)
+        chunk.load_state_dict(state)
+
+
+def gather_full_state(model: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """Full state of a single-process model (tp = pp = 1) with global layer names."""
+    full: dict[str, torch.Tensor] = {}
+    for chunk in model:
+        layers = [layer.layer for layer in chunk.layers]
+        full.update(to_global_names(chunk.state_dict(), layers))
+    return full

@@ -1,0 +1,151 @@
+"""Convert between our checkpoints (any tp/pp layout) and Hugging Face ``GPT2LMHeadModel`` directories.
+
+    python tools/convert_hf.py to-hf --load checkpoints/gpt --save hf/gpt
+    python tools/convert_hf.py from-hf --load hf/gpt --save checkpoints/gpt-tp2pp2 \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+``to-hf`` merges every ``mp_rank_TT_PPP`` shard, trims the padded vocabulary to the real one (the
+tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``, ``model.safetensors``
+and the tokenizer files when known (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; HF: ``tokenizer.json``);
+``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it. ``from-hf`` writes
+``<save>/iter_0000000/mp_rank_TT_PPP/model_optim_rng.pt`` for the requested layout (weights and config;
+no optimizer state: continue training from it with ``--finetune``), copying the tokenizer files into
+``<save>/tokenizer/`` and recording them in the checkpoint's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_like.config import Config, DataConfig  # noqa: E402
+from megatron_like.inference import hf_gpt2  # noqa: E402
+from megatron_like.model.state import TRACKER_FILE, load_full_state, shard_full_state  # noqa: E402
+
+
+def tokenizer_files(data: DataConfig) -> dict[str, str]:
+    """``{name in the HF dir: source file}`` of the tokenizer a config names (empty when unknown)."""
+    if data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
+        path = data.tokenizer_model
+        path = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        return {"tokenizer.json": path} if os.path.isfile(path) else {}
+    if data.tokenizer_type in (None, "GPT2BPETokenizer") and not (data.mock_data and data.tokenizer_type is None):
+        vocab, merges = data.vocab_file, data.merge_file
+        if vocab is None:
+            from megatron_like.data.tokenizer import default_gpt2_files
+
+            try:
+                vocab, merges = default_gpt2_files()
+            except RuntimeError:
+                return {}
+        if os.path.isfile(vocab) and os.path.isfile(merges):
+            return {"vocab.json": vocab, "merges.txt": merges}
+    return {}
+
+
+def real_vocab(config: Config, rows: int, override: int | None) -> tuple[int, int | None]:
+    """(real vocabulary size, end-of-text id) of a saved config."""
+    if override is not None:
+        return override, None
+    from megatron_like.inference.loading import build_tokenizer_for
+
+    try:
+        tokenizer = build_tokenizer_for(config.data, config.model.vocab_size)
+    except (OSError, ValueError, RuntimeError) as error:
+        print(f"warning: cannot build the checkpoint's tokenizer ({error}); keeping the vocabulary size "
+              "from the config (pass --vocab-size to choose)", file=sys.stderr)
+        tokenizer = None
+    if tokenizer is not None:
+        return min(tokenizer.vocab_size, rows), tokenizer.eod
+    return (config.model.vocab_size or rows), None
+
+
+def to_hf(args: argparse.Namespace) -> None:
+    config, full = load_full_state(args.load, args.iteration)
+    rows = full["embedding.word_embeddings.weight"].shape[0]
+    vocab, eod = real_vocab(config, rows, args.vocab_size)
+    hf_state = hf_gpt2.to_hf_state(full, config.model, vocab)
+    files = tokenizer_files(config.data)
+    hf_gpt2.save_hf_dir(args.save, hf_state, hf_gpt2.hf_config(config.model, vocab, eod), files)
+    print(f"wrote a GPT2LMHeadModel ({config.model.num_layers} layers, vocabulary {vocab}) to {args.save}")
+
+
+def from_hf(args: argparse.Namespace) -> None:
+    from megatron_like.training.checkpointing import rng_state
+
+    hf_config, hf_state = hf_gpt2.load_hf_dir(args.load)
+    config = Config()
+    config.model = hf_gpt2.model_config_from_hf(hf_config)
+    p = config.parallel
+    p.tensor_model_parallel_size = args.tensor_model_parallel_size
+    p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
+    p.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage
+    config.model.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
+    config.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    config.data.mock_data = True  # validates without --data-path; the tokenizer below is recorded too
+    tokenizer_dir = os.path.join(os.path.abspath(args.save), "tokenizer")
+    if all(os.path.isfile(os.path.join(args.load, f)) for f in ("vocab.json", "merges.txt")):
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copyfile(os.path.join(args.load, name), os.path.join(tokenizer_dir, name))
+        config.data.tokenizer_type = "GPT2BPETokenizer"
+        config.data.vocab_file = os.path.join(tokenizer_dir, "vocab.json")
+        config.data.merge_file = os.path.join(tokenizer_dir, "merges.txt")
+    elif os.path.isfile(os.path.join(args.load, "tokenizer.json")):
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        shutil.copyfile(os.path.join(args.load, "tokenizer.json"), os.path.join(tokenizer_dir, "tokenizer.json"))
+        config.data.tokenizer_type = "HuggingFaceTokenizer"
+        config.data.tokenizer_model = os.path.join(tokenizer_dir, "tokenizer.json")
+    config.validate()
+    padded = config.padded_vocab_size(config.model.vocab_size)
+    full = hf_gpt2.from_hf_state(hf_state, config.model, padded)
+    it_dir = os.path.join(args.save, "iter_0000000")
+    for pp_rank in range(p.pipeline_model_parallel_size):
+        for tp_rank in range(p.tensor_model_parallel_size):
+            path = os.path.join(it_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+            os.makedirs(path, exist_ok=True)
+            state = {"iteration": 0, "consumed_samples": 0, "config": config.to_dict(),
+                     "model": shard_full_state(full, config, tp_rank, pp_rank, padded),
+                     "optimizer": None, "scheduler": None, "rng": rng_state()}
+            torch.save(state, os.path.join(path, "model_optim_rng.pt"))
+    with open(os.path.join(args.save, TRACKER_FILE), "w") as f:
+        f.write("0\n")
+    print(f"wrote a tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} checkpoint "
+          f"(vocabulary {config.model.vocab_size} padded to {padded}) to {args.save}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    sub = parser.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT2LMHeadModel directory")
+    a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp layout).")
+    a.add_argument("--save", required=True, help="Output Hugging Face directory.")
+    a.add_argument("--iteration", type=int, help="Iteration to convert (default: the latest).")
+    a.add_argument("--vocab-size", type=int, help="Real vocabulary size (default: the tokenizer's or config's).")
+    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> our checkpoint")
+    b.add_argument("--load", required=True, help="Hugging Face GPT-2 directory (config.json + weights).")
+    b.add_argument("--save", required=True, help="Output checkpoint directory.")
+    b.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    b.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        (to_hf if args.direction == "to-hf" else from_hf)(args)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
