@@ -1,8 +1,29 @@
-"""Pipeline parallelism: point-to-point communication and schedules."""
+"""Pipeline parallelism: point-to-point communication (p2p.py), schedules (schedules.py) and their
+trace (trace.py). ``get_forward_backward_func(pp, vp)`` picks the schedule; see docs/pipeline.md."""
 
+from megatron_like.pipeline_parallel.p2p import PipelineP2P, pipeline_tensor_shape
 from megatron_like.pipeline_parallel.schedules import (
+    check_pipeline_schedule,
     forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
+    interleaved_steps,
+    one_f_one_b_steps,
 )
+from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, record_schedule
 
-__all__ = ["forward_backward_no_pipelining", "get_forward_backward_func"]
+__all__ = [
+    "PipelineP2P",
+    "ScheduleTrace",
+    "Step",
+    "check_pipeline_schedule",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+    "interleaved_steps",
+    "one_f_one_b_steps",
+    "pipeline_tensor_shape",
+    "record_schedule",
+]

@@ -1,55 +1,317 @@
 """Forward/backward schedules over the micro batches of one global batch.
 
 Every schedule has the same signature and returns the loss statistics of the micro batches it
-computed the loss for (only the last pipeline stage has any):
+computed the loss for (only the last pipeline stage has any)::
 
-    schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only=False)
+    schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only=False, *,
+             seq_length=None, micro_batch_size=None, grad_scale_func=None, trace=None)
         -> list[dict[str, torch.Tensor]]
 
 ``forward_step_func(data_iterator, model_chunk) -> (output, loss_func)`` is the Megatron contract:
 ``loss_func(output) -> (loss, stats)`` with ``loss`` a scalar to backpropagate (averaged over this
-micro batch's tokens) and ``stats`` detached scalars for logging.
+micro batch's tokens) and ``stats`` detached scalars for logging. ``model`` is the list of this rank's
+model chunks (one per virtual stage). A pipelined chunk exposes ``ps`` (its ParallelState), ``config``
+(``hidden_size``, ``seq_length``), ``sequence_parallel`` and ``set_input_tensor(t)``, as GPTModel does.
+
+The three schedules:
+
+* :func:`forward_backward_no_pipelining`: one stage, gradient accumulation.
+* :func:`forward_backward_pipelining_without_interleaving`: 1F1B. Rank r runs ``pp - r - 1`` warmup
+  forwards, then alternates one forward and one backward, then runs the remaining backwards, so it
+  holds the activations of at most ``pp - r`` micro batches; they are released by their backward.
+* :func:`forward_backward_pipelining_with_interleaving`: 1F1B over ``vp`` model chunks per rank (chunk
+  c of rank r is virtual stage ``c * pp + r``). Micro batches go through the chunks in groups of
+  ``pp``, which shrinks the bubble from ``(p - 1) / (m + p - 1)`` to ``(p - 1) / (v * m + p - 1)``.
+
+Both pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
+:func:`interleaved_steps`) run by one executor, :func:`run_pipeline_steps`: before each step it receives
+the step's input (activations from the previous stage for a forward, the output gradient from the next
+stage for a backward) in the same batched p2p call that sends the previous step's result (see p2p.py).
+
+Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean
+loss over the global batch, and gradients accumulate over micro batches in the same order as without
+pipelining.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from megatron_like.config import ConfigError
+from megatron_like.pipeline_parallel.p2p import PipelineP2P, pipeline_tensor_shape
+from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, active_trace
+
 LossStats = dict[str, torch.Tensor]
 ForwardStepFunc = Callable[[Iterator | None, nn.Module], tuple[torch.Tensor, Callable]]
+GradScaleFunc = Callable[[torch.Tensor], torch.Tensor]
 
 
+# ---------------------------------------------------------------- one micro batch
+def forward_step(forward_step_func: ForwardStepFunc, data_iterator: Iterator | None, chunk: nn.Module,
+                 input_tensor: torch.Tensor | None, num_microbatches: int, is_last_chunk: bool,
+                 stats: list[LossStats], grad_scale_func: GradScaleFunc | None = None) -> torch.Tensor:
+    """Run one micro batch through ``chunk``; return its output hidden states ``[s, b, h]``, or on the
+    last chunk its loss divided by ``num_microbatches`` (and scaled by ``grad_scale_func``).
+
+    ``input_tensor`` is ``[s, b, h]`` from the previous stage (None on the first chunk).
+    """
+    if input_tensor is not None:
+        chunk.set_input_tensor(input_tensor)
+    output, loss_func = forward_step_func(data_iterator, chunk)
+    if input_tensor is not None:
+        chunk.set_input_tensor(None)  # the schedule keeps the input as long as its backward needs it
+    if not is_last_chunk:
+        return output
+    loss, micro_stats = loss_func(output)
+    stats.append(micro_stats)
+    loss = loss / num_microbatches
+    return grad_scale_func(loss) if grad_scale_func is not None else loss
+
+
+def backward_step(input_tensor: torch.Tensor | None, output_tensor: torch.Tensor,
+                  output_tensor_grad: torch.Tensor | None) -> torch.Tensor | None:
+    """Backpropagate one micro batch through one chunk; return the gradient of its input ``[s, b, h]``.
+
+    ``output_tensor`` is the chunk's output ``[s, b, h]`` with ``output_tensor_grad`` from the next
+    stage, or the scalar loss (``output_tensor_grad`` None) on the last chunk.
+    """
+    torch.autograd.backward(output_tensor, grad_tensors=output_tensor_grad)
+    return None if input_tensor is None else input_tensor.grad
+
+
+# ---------------------------------------------------------------- no pipelining
 def forward_backward_no_pipelining(
     forward_step_func: ForwardStepFunc,
     data_iterator: Iterator[Any] | None,
     model: list[nn.Module],
     num_microbatches: int,
     forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_scale_func: GradScaleFunc | None = None,
+    trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """Gradient accumulation on one stage: forward and backward each micro batch in turn.
 
-    The loss of each micro batch is divided by ``num_microbatches`` so the accumulated gradient is the
-    gradient of the mean loss over the global batch (the data-parallel all-reduce then averages ranks).
+    ``seq_length`` and ``micro_batch_size`` are accepted for a uniform signature and unused.
     """
     if len(model) != 1:
         raise ValueError("no-pipelining schedule runs exactly one model chunk")
-    chunk = model[0]
-    stats: list[LossStats] = []
-    for _ in range(num_microbatches):
-        output, loss_func = forward_step_func(data_iterator, chunk)
-        loss, micro_stats = loss_func(output)
-        stats.append(micro_stats)
+    chunk, stats = model[0], []
+    trace = trace or active_trace()
+    run = trace.begin_run() if trace is not None else 0
+    for i in range(num_microbatches):
+        with _span(trace, 0, run, Step("F", 0, i)):
+            loss = forward_step(forward_step_func, data_iterator, chunk, None, num_microbatches, True, stats,
+                                grad_scale_func)
         if not forward_only:
-            (loss / num_microbatches).backward()
+            with _span(trace, 0, run, Step("B", 0, i)):
+                backward_step(None, loss, None)
     return stats
 
 
+# ---------------------------------------------------------------- step orders
+def one_f_one_b_steps(pp_size: int, pp_rank: int, num_microbatches: int, forward_only: bool = False) -> list[Step]:
+    """The 1F1B order of rank ``pp_rank``: warmup forwards, steady one-forward-one-backward, cooldown."""
+    m = num_microbatches
+    if forward_only:
+        return [Step("F", 0, i) for i in range(m)]
+    warmup = min(pp_size - pp_rank - 1, m)
+    steps = [Step("F", 0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        steps += [Step("F", 0, warmup + i), Step("B", 0, i)]
+    steps += [Step("B", 0, i) for i in range(m - warmup, m)]
+    return steps
+
+
+def interleaved_steps(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int,
+                      forward_only: bool = False) -> list[Step]:
+    """The interleaved 1F1B order of rank ``pp_rank`` over ``vp_size`` chunks (Megatron's order).
+
+    The k-th forward runs chunk ``(k mod pp*vp) // pp`` on micro batch ``(k // (pp*vp)) * pp + k mod pp``:
+    groups of ``pp`` micro batches visit chunk 0, then chunk 1, ... The k-th backward visits the same
+    micro batch in reverse chunk order. Rank r runs ``2 * (pp - r - 1) + (vp - 1) * pp`` warmup forwards.
+    """
+    pp, vp, total = pp_size, vp_size, num_microbatches * vp_size
+
+    def forward_of(k: int) -> Step:
+        group, position = divmod(k, pp * vp)
+        return Step("F", position // pp, group * pp + position % pp)
+
+    def backward_of(k: int) -> Step:
+        _, chunk, microbatch = forward_of(k)
+        return Step("B", vp - 1 - chunk, microbatch)
+
+    if forward_only:
+        return [forward_of(k) for k in range(total)]
+    warmup = min(total, 2 * (pp - pp_rank - 1) + (vp - 1) * pp)
+    steps = [forward_of(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        steps += [forward_of(warmup + k), backward_of(k)]
+    steps += [backward_of(k) for k in range(total - warmup, total)]
+    return steps
+
+
+def check_pipeline_schedule(pp_size: int, vp_size: int, num_microbatches: int) -> None:
+    """Raise ConfigError (one line) when no schedule can run this layout."""
+    if num_microbatches < 1:
+        raise ConfigError(f"a global batch needs at least one micro batch, got {num_microbatches}")
+    if vp_size > 1 and pp_size == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    if vp_size > 1 and num_microbatches % pp_size != 0:
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro batches ({num_microbatches} = "
+            f"--global-batch-size / (--micro-batch-size * dp)) to be a multiple of "
+            f"--pipeline-model-parallel-size {pp_size}"
+        )
+
+
+# ---------------------------------------------------------------- the executor
+def run_pipeline_steps(
+    steps: Sequence[Step],
+    forward_step_func: ForwardStepFunc,
+    data_iterators: Sequence[Iterator | None],
+    model: list[nn.Module],
+    num_microbatches: int,
+    p2p: PipelineP2P,
+    forward_only: bool = False,
+    grad_scale_func: GradScaleFunc | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours.
+
+    Inputs and outputs of a (chunk, micro batch) are kept from its forward to its backward and
+    dropped right after, so the memory held is that of the micro batches in flight.
+    """
+    ps, vp = model[0].ps, len(model)
+    run = trace.begin_run() if trace is not None else 0
+
+    def is_first_chunk(chunk: int) -> bool:
+        return ps.is_first_stage and chunk == 0
+
+    def is_last_chunk(chunk: int) -> bool:
+        return ps.is_last_stage and chunk == vp - 1
+
+    def receive(step: Step | None, send_next: torch.Tensor | None = None,
+                send_prev: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Send the previous step's result and receive what ``step`` needs, in one batched exchange."""
+        recv_prev = step is not None and step.kind == "F" and not is_first_chunk(step.chunk)
+        recv_next = step is not None and step.kind == "B" and not is_last_chunk(step.chunk)
+        from_prev, from_next = p2p.communicate(send_next, send_prev, recv_prev, recv_next)
+        return from_prev if recv_prev else from_next
+
+    inputs: dict[tuple[int, int], torch.Tensor | None] = {}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    stats: list[LossStats] = []
+    received = receive(steps[0] if steps else None)
+    for i, step in enumerate(steps):
+        key = (step.chunk, step.microbatch)
+        send_next = send_prev = None
+        with _span(trace, ps.pp_rank, run, step):
+            if step.kind == "F":
+                if received is not None and not forward_only:
+                    received.requires_grad_()
+                output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
+                                      received, num_microbatches, is_last_chunk(step.chunk), stats,
+                                      grad_scale_func)
+                if not forward_only:
+                    inputs[key], outputs[key] = received, output
+                send_next = None if is_last_chunk(step.chunk) else output
+            else:
+                input_grad = backward_step(inputs.pop(key), outputs.pop(key), received)
+                send_prev = None if is_first_chunk(step.chunk) else input_grad
+        received = receive(steps[i + 1] if i + 1 < len(steps) else None, send_next, send_prev)
+    p2p.wait_for_sends()
+    return stats
+
+
+def _pipeline_p2p(model: list[nn.Module], seq_length: int | None, micro_batch_size: int | None) -> PipelineP2P:
+    """The p2p channel of this rank, its tensor shape taken from the configuration (no shape exchange)."""
+    chunk = model[0]
+    if micro_batch_size is None:
+        raise ValueError("pipelined schedules need micro_batch_size (the p2p tensor shape is [s, b, h])")
+    shape = pipeline_tensor_shape(seq_length or chunk.config.seq_length, micro_batch_size, chunk.config.hidden_size,
+                                  chunk.ps.tp_size, getattr(chunk, "sequence_parallel", False))
+    dtype = next((p.dtype for p in chunk.parameters() if p.is_floating_point()), torch.float32)
+    return PipelineP2P(chunk.ps, shape, dtype)
+
+
+def _chunk_data_iterators(data_iterator: Iterator | list[Iterator | None] | None, vp: int) -> list[Iterator | None]:
+    """One iterator per chunk. Every chunk reads every micro batch in order, so one shared iterator is
+    split with ``itertools.tee`` (it buffers only the micro batches the chunks are apart)."""
+    if isinstance(data_iterator, list):
+        if len(data_iterator) != vp:
+            raise ValueError(f"got {len(data_iterator)} data iterators for {vp} model chunks")
+        return data_iterator
+    if vp == 1 or data_iterator is None:
+        return [data_iterator] * vp
+    return list(itertools.tee(data_iterator, vp))
+
+
+def forward_backward_pipelining_without_interleaving(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | None,
+    model: list[nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_scale_func: GradScaleFunc | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """1F1B over the pipeline stages, one model chunk per rank (see the module docstring)."""
+    if len(model) != 1:
+        raise ValueError(f"the non-interleaved schedule runs one model chunk per rank, got {len(model)}")
+    ps = model[0].ps
+    check_pipeline_schedule(ps.pp_size, 1, num_microbatches)
+    steps = one_f_one_b_steps(ps.pp_size, ps.pp_rank, num_microbatches, forward_only)
+    return run_pipeline_steps(steps, forward_step_func, [data_iterator], model, num_microbatches,
+                              _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
+                              grad_scale_func, trace or active_trace())
+
+
+def forward_backward_pipelining_with_interleaving(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | list[Iterator[Any] | None] | None,
+    model: list[nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    grad_scale_func: GradScaleFunc | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """Interleaved 1F1B over ``len(model)`` chunks per rank (see the module docstring).
+
+    ``data_iterator`` is one iterator (split per chunk) or a list of one iterator per chunk.
+    """
+    ps = model[0].ps
+    check_pipeline_schedule(ps.pp_size, len(model), num_microbatches)
+    steps = interleaved_steps(ps.pp_size, ps.pp_rank, num_microbatches, len(model), forward_only)
+    return run_pipeline_steps(steps, forward_step_func, _chunk_data_iterators(data_iterator, len(model)), model,
+                              num_microbatches, _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
+                              grad_scale_func, trace or active_trace())
+
+
 def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> Callable[..., list[LossStats]]:
-    """The schedule for this layout (pipelined schedules are added with pipeline parallelism)."""
+    """The schedule for this layout: no pipelining, 1F1B, or interleaved 1F1B."""
+    if vp_size > 1 and pp_size == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if pp_size == 1:
         return forward_backward_no_pipelining
-    raise NotImplementedError("pipeline parallelism is not implemented yet (--pipeline-model-parallel-size 1)")
+    if vp_size > 1:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
+
+
+def _span(trace: ScheduleTrace | None, pp_rank: int, run: int, step: Step) -> contextlib.AbstractContextManager:
+    return trace.span(pp_rank, run, step) if trace is not None else contextlib.nullcontext()

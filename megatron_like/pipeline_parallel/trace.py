@@ -1,0 +1,186 @@
+"""What a pipeline schedule did: which rank ran which forward/backward, and when.
+
+Schedules record one :class:`TraceEvent` per forward (``F``) or backward (``B``) of a micro batch on
+a model chunk into a :class:`ScheduleTrace` when one is given or active::
+
+    with record_schedule() as trace:
+        train_step(...)
+    trace.steps()           # [Step('F', 0, 0), Step('F', 0, 1), Step('B', 0, 0), ...] in execution order
+    trace.max_in_flight()   # micro batches forwarded but not yet backwarded, at worst
+
+Times come from ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: comparable across the processes of
+one machine), so traces of all ranks can be put on one time axis: :func:`idle_fractions` measures the
+pipeline bubble and :func:`chrome_trace` writes a file for chrome://tracing or Perfetto.
+
+:func:`simulate` replays the per-rank step orders with given durations and instantaneous messages:
+it proves an order free of deadlocks and gives the bubble the order achieves in theory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+
+class Step(NamedTuple):
+    """One unit of schedule work: ``kind`` 'F' (forward) or 'B' (backward) of a micro batch on a chunk."""
+
+    kind: str
+    chunk: int
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """A step that ran on pipeline rank ``pp_rank`` from ``start`` to ``end`` (seconds) in schedule call ``run``."""
+
+    pp_rank: int
+    run: int
+    kind: str
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def step(self) -> Step:
+        return Step(self.kind, self.chunk, self.microbatch)
+
+
+@dataclass
+class ScheduleTrace:
+    """Events of one rank, appended by the schedules; every schedule call starts a new ``run``."""
+
+    events: list[TraceEvent] = field(default_factory=list)
+    runs: int = 0
+
+    def begin_run(self) -> int:
+        self.runs += 1
+        return self.runs - 1
+
+    @contextlib.contextmanager
+    def span(self, pp_rank: int, run: int, step: Step) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.events.append(TraceEvent(pp_rank, run, step.kind, step.chunk, step.microbatch, start,
+                                      time.perf_counter()))
+
+    def of_run(self, run: int) -> list[TraceEvent]:
+        return [e for e in self.events if e.run == run]
+
+    def steps(self, run: int | None = None) -> list[Step]:
+        """The steps in execution order (of one schedule call, or of all)."""
+        return [e.step for e in (self.events if run is None else self.of_run(run))]
+
+    def max_in_flight(self, run: int | None = None) -> int:
+        """Most (chunk, micro batch) pairs whose forward ran and whose backward had not yet, at any time."""
+        return max_in_flight(self.steps(run))
+
+    def to_dicts(self) -> list[dict]:
+        """Plain dicts (to return from a process or write as JSON)."""
+        return [asdict(e) for e in self.events]
+
+
+def max_in_flight(steps: Sequence[Step]) -> int:
+    """Peak number of (chunk, micro batch) pairs held between their forward and their backward."""
+    live: set[tuple[int, int]] = set()
+    peak = 0
+    for kind, chunk, microbatch in steps:
+        if kind == "F":
+            live.add((chunk, microbatch))
+            peak = max(peak, len(live))
+        else:
+            live.discard((chunk, microbatch))
+    return peak
+
+
+# ---------------------------------------------------------------- the active trace
+_active: ScheduleTrace | None = None
+
+
+@contextlib.contextmanager
+def record_schedule(trace: ScheduleTrace | None = None) -> Iterator[ScheduleTrace]:
+    """Make every schedule call inside the block record into ``trace`` (a new one by default)."""
+    global _active
+    previous, _active = _active, trace or ScheduleTrace()
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+def active_trace() -> ScheduleTrace | None:
+    """The trace of the innermost :func:`record_schedule` block, if any."""
+    return _active
+
+
+# ---------------------------------------------------------------- the bubble
+def theoretical_bubble(pp_size: int, vp_size: int, num_microbatches: int) -> float:
+    """Idle fraction of 1F1B (vp = 1) and interleaved 1F1B: ``(p - 1) / (v * m + p - 1)``."""
+    return (pp_size - 1) / (vp_size * num_microbatches + pp_size - 1)
+
+
+def idle_fractions(events_per_rank: Sequence[Sequence[TraceEvent]]) -> list[float]:
+    """Per rank, the share of the window [first start, last end] over *all* ranks spent outside F/B steps."""
+    starts = [e.start for events in events_per_rank for e in events]
+    ends = [e.end for events in events_per_rank for e in events]
+    window = max(ends) - min(starts)
+    return [1.0 - sum(e.end - e.start for e in events) / window for events in events_per_rank]
+
+
+def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: float = 1.0,
+             backward_time: float = 2.0) -> list[list[TraceEvent]]:
+    """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
+
+    A forward of chunk c on rank r waits for the same forward on rank r - 1 (rank 0 waits for chunk
+    c - 1 on the last rank); a backward waits for the backward on rank r + 1 (the last rank waits for
+    chunk c + 1 on rank 0). Raises RuntimeError if the orders deadlock.
+    """
+    pp = len(orders)
+    done: dict[tuple[int, Step], float] = {}
+    position, clock = [0] * pp, [0.0] * pp
+    events: list[list[TraceEvent]] = [[] for _ in range(pp)]
+
+    def producer(rank: int, step: Step) -> tuple[int, Step] | None:
+        kind, c, mb = step
+        if kind == "F":
+            if rank > 0:
+                return rank - 1, step
+            return (pp - 1, Step("F", c - 1, mb)) if c > 0 else None
+        if rank < pp - 1:
+            return rank + 1, step
+        return (0, Step("B", c + 1, mb)) if c < num_chunks - 1 else None
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(pp):
+            while position[rank] < len(orders[rank]):
+                step = orders[rank][position[rank]]
+                dependency = producer(rank, step)
+                if dependency is not None and dependency not in done:
+                    break
+                start = max(clock[rank], done[dependency] if dependency else 0.0)
+                end = start + (forward_time if step.kind == "F" else backward_time)
+                done[(rank, step)], clock[rank] = end, end
+                events[rank].append(TraceEvent(rank, 0, step.kind, step.chunk, step.microbatch, start, end))
+                position[rank] += 1
+                progressed = True
+    stuck = {rank: orders[rank][position[rank]] for rank in range(pp) if position[rank] < len(orders[rank])}
+    if stuck:
+        raise RuntimeError(f"schedule deadlocks: ranks wait at {stuck}")
+    return events
+
+
+def chrome_trace(events_per_rank: Sequence[Sequence[TraceEvent]]) -> dict:
+    """The events in Chrome's trace format (one row per pipeline rank; load in chrome://tracing)."""
+    origin = min(e.start for events in events_per_rank for e in events)
+    return {"traceEvents": [
+        {"name": f"{e.kind}{e.microbatch}" + (f".{e.chunk}" if e.chunk else ""), "ph": "X", "pid": 0,
+         "tid": e.pp_rank, "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
+         "args": {"run": e.run, "chunk": e.chunk, "microbatch": e.microbatch}}
+        for events in events_per_rank for e in events
+    ]}
