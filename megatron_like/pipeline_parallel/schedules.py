@@ -4,7 +4,7 @@ Every schedule has the same signature and returns the loss statistics of the mic
 computed the loss for (only the last pipeline stage has any)::
 
     schedule(forward_step_func, data_iterator, model, num_microbatches, forward_only=False, *,
-             seq_length=None, micro_batch_size=None, grad_scale_func=None, trace=None)
+             seq_length=None, micro_batch_size=None, trace=None)
         -> list[dict[str, torch.Tensor]]
 
 ``forward_step_func(data_iterator, model_chunk) -> (output, loss_func)`` is the Megatron contract:
@@ -49,15 +49,14 @@ from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, active_tr
 
 LossStats = dict[str, torch.Tensor]
 ForwardStepFunc = Callable[[Iterator | None, nn.Module], tuple[torch.Tensor, Callable]]
-GradScaleFunc = Callable[[torch.Tensor], torch.Tensor]
 
 
 # ---------------------------------------------------------------- one micro batch
 def forward_step(forward_step_func: ForwardStepFunc, data_iterator: Iterator | None, chunk: nn.Module,
                  input_tensor: torch.Tensor | None, num_microbatches: int, is_last_chunk: bool,
-                 stats: list[LossStats], grad_scale_func: GradScaleFunc | None = None) -> torch.Tensor:
+                 stats: list[LossStats]) -> torch.Tensor:
     """Run one micro batch through ``chunk``; return its output hidden states ``[s, b, h]``, or on the
-    last chunk its loss divided by ``num_microbatches`` (and scaled by ``grad_scale_func``).
+    last chunk its loss divided by ``num_microbatches``.
 
     ``input_tensor`` is ``[s, b, h]`` from the previous stage (None on the first chunk).
     """
@@ -70,8 +69,7 @@ def forward_step(forward_step_func: ForwardStepFunc, data_iterator: Iterator | N
         return output
     loss, micro_stats = loss_func(output)
     stats.append(micro_stats)
-    loss = loss / num_microbatches
-    return grad_scale_func(loss) if grad_scale_func is not None else loss
+    return loss / num_microbatches
 
 
 def backward_step(input_tensor: torch.Tensor | None, output_tensor: torch.Tensor,
@@ -95,7 +93,6 @@ def forward_backward_no_pipelining(
     *,
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
-    grad_scale_func: GradScaleFunc | None = None,
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """Gradient accumulation on one stage: forward and backward each micro batch in turn.
@@ -109,8 +106,7 @@ def forward_backward_no_pipelining(
     run = trace.begin_run() if trace is not None else 0
     for i in range(num_microbatches):
         with _span(trace, 0, run, Step("F", 0, i)):
-            loss = forward_step(forward_step_func, data_iterator, chunk, None, num_microbatches, True, stats,
-                                grad_scale_func)
+            loss = forward_step(forward_step_func, data_iterator, chunk, None, num_microbatches, True, stats)
         if not forward_only:
             with _span(trace, 0, run, Step("B", 0, i)):
                 backward_step(None, loss, None)
@@ -182,7 +178,6 @@ def run_pipeline_steps(
     num_microbatches: int,
     p2p: PipelineP2P,
     forward_only: bool = False,
-    grad_scale_func: GradScaleFunc | None = None,
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours.
@@ -219,8 +214,7 @@ def run_pipeline_steps(
                 if received is not None and not forward_only:
                     received.requires_grad_()
                 output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
-                                      received, num_microbatches, is_last_chunk(step.chunk), stats,
-                                      grad_scale_func)
+                                      received, num_microbatches, is_last_chunk(step.chunk), stats)
                 if not forward_only:
                     inputs[key], outputs[key] = received, output
                 send_next = None if is_last_chunk(step.chunk) else output
@@ -264,7 +258,6 @@ def forward_backward_pipelining_without_interleaving(
     *,
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
-    grad_scale_func: GradScaleFunc | None = None,
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """1F1B over the pipeline stages, one model chunk per rank (see the module docstring)."""
@@ -275,7 +268,7 @@ def forward_backward_pipelining_without_interleaving(
     steps = one_f_one_b_steps(ps.pp_size, ps.pp_rank, num_microbatches, forward_only)
     return run_pipeline_steps(steps, forward_step_func, [data_iterator], model, num_microbatches,
                               _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
-                              grad_scale_func, trace or active_trace())
+                              trace or active_trace())
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -287,7 +280,6 @@ def forward_backward_pipelining_with_interleaving(
     *,
     seq_length: int | None = None,
     micro_batch_size: int | None = None,
-    grad_scale_func: GradScaleFunc | None = None,
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """Interleaved 1F1B over ``len(model)`` chunks per rank (see the module docstring).
@@ -299,7 +291,7 @@ def forward_backward_pipelining_with_interleaving(
     steps = interleaved_steps(ps.pp_size, ps.pp_rank, num_microbatches, len(model), forward_only)
     return run_pipeline_steps(steps, forward_step_func, _chunk_data_iterators(data_iterator, len(model)), model,
                               num_microbatches, _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
-                              grad_scale_func, trace or active_trace())
+                              trace or active_trace())
 
 
 def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> Callable[..., list[LossStats]]:

@@ -136,23 +136,24 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
     """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
 
     A forward of chunk c on rank r waits for the same forward on rank r - 1 (rank 0 waits for chunk
-    c - 1 on the last rank); a backward waits for the backward on rank r + 1 (the last rank waits for
-    chunk c + 1 on rank 0). Raises RuntimeError if the orders deadlock.
+    c - 1 on the last rank); a backward waits for its own forward and for the backward on rank r + 1
+    (the last rank waits for chunk c + 1 on rank 0). Raises RuntimeError if the orders deadlock.
     """
     pp = len(orders)
     done: dict[tuple[int, Step], float] = {}
     position, clock = [0] * pp, [0.0] * pp
     events: list[list[TraceEvent]] = [[] for _ in range(pp)]
 
-    def producer(rank: int, step: Step) -> tuple[int, Step] | None:
+    def dependencies(rank: int, step: Step) -> list[tuple[int, Step]]:
         kind, c, mb = step
         if kind == "F":
             if rank > 0:
-                return rank - 1, step
-            return (pp - 1, Step("F", c - 1, mb)) if c > 0 else None
+                return [(rank - 1, step)]
+            return [(pp - 1, Step("F", c - 1, mb))] if c > 0 else []
+        own_forward = (rank, Step("F", c, mb))
         if rank < pp - 1:
-            return rank + 1, step
-        return (0, Step("B", c + 1, mb)) if c < num_chunks - 1 else None
+            return [own_forward, (rank + 1, step)]
+        return [own_forward] + ([(0, Step("B", c + 1, mb))] if c < num_chunks - 1 else [])
 
     progressed = True
     while progressed:
@@ -160,10 +161,10 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
         for rank in range(pp):
             while position[rank] < len(orders[rank]):
                 step = orders[rank][position[rank]]
-                dependency = producer(rank, step)
-                if dependency is not None and dependency not in done:
+                needed = dependencies(rank, step)
+                if any(d not in done for d in needed):
                     break
-                start = max(clock[rank], done[dependency] if dependency else 0.0)
+                start = max([clock[rank]] + [done[d] for d in needed])
                 end = start + (forward_time if step.kind == "F" else backward_time)
                 done[(rank, step)], clock[rank] = end, end
                 events[rank].append(TraceEvent(rank, 0, step.kind, step.chunk, step.microbatch, start, end))

@@ -1,0 +1,147 @@
+"""The pipeline schedules' step orders, checked without processes: every micro batch runs once, 1F1B's
+memory bound, deadlock freedom and the bubble (by simulation), FIFO-consistent message streams, and
+the up-front errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from megatron_like.config import ConfigError, parse_config
+from megatron_like.parallel_state import ParallelState
+from megatron_like.pipeline_parallel import (
+    PipelineP2P,
+    Step,
+    check_pipeline_schedule,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    interleaved_steps,
+    one_f_one_b_steps,
+    pipeline_tensor_shape,
+)
+from megatron_like.pipeline_parallel.trace import (
+    chrome_trace,
+    idle_fractions,
+    max_in_flight,
+    simulate,
+    theoretical_bubble,
+)
+
+LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
+LAYOUTS += [(pp, vp, m) for pp in (2, 3, 4) for vp in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
+
+
+def orders(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[Step]]:
+    if vp == 1:
+        return [one_f_one_b_steps(pp, r, m, forward_only) for r in range(pp)]
+    return [interleaved_steps(pp, r, m, vp, forward_only) for r in range(pp)]
+
+
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_every_micro_batch_runs_forward_then_backward_once_per_chunk(pp, vp, m):
+    for steps in orders(pp, vp, m):
+        assert sorted(steps) == sorted(Step(k, c, i) for k in "BF" for c in range(vp) for i in range(m))
+        position = {step: n for n, step in enumerate(steps)}
+        assert all(position[Step("F", c, i)] < position[Step("B", c, i)] for c in range(vp) for i in range(m))
+        for kind, chunk in itertools.product("FB", range(vp)):  # each chunk sees micro batches in order
+            microbatches = [s.microbatch for s in steps if (s.kind, s.chunk) == (kind, chunk)]
+            assert microbatches == list(range(m))
+    for steps in orders(pp, vp, m, forward_only=True):
+        assert {s.kind for s in steps} == {"F"} and len(steps) == vp * m
+
+
+@pytest.mark.parametrize("pp,m", [(pp, m) for pp, vp, m in LAYOUTS if vp == 1])
+def test_1f1b_warmup_steady_cooldown_and_in_flight_bound(pp, m):
+    for rank, steps in enumerate(orders(pp, 1, m)):
+        warmup = min(pp - rank - 1, m)
+        kinds = "".join(s.kind for s in steps)
+        assert kinds == "F" * warmup + "FB" * (m - warmup) + "B" * warmup
+        assert max_in_flight(steps) == min(pp - rank, m)
+
+
+@pytest.mark.parametrize("pp,vp,m", [layout for layout in LAYOUTS if layout[1] > 1])
+def test_interleaved_in_flight_bound(pp, vp, m):
+    for rank, steps in enumerate(orders(pp, vp, m)):
+        warmup = min(2 * (pp - rank - 1) + (vp - 1) * pp, vp * m)
+        assert all(s.kind == "F" for s in steps[:warmup])
+        assert max_in_flight(steps) == min(warmup + 1, vp * m)
+
+
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_simulated_schedule_has_no_deadlock_and_the_theoretical_bubble(pp, vp, m):
+    for forward_time, backward_time in ((1.0, 2.0), (1.0, 1.0)):
+        events = simulate(orders(pp, vp, m), vp, forward_time / vp, backward_time / vp)
+        assert idle_fractions(events) == pytest.approx([theoretical_bubble(pp, vp, m)] * pp, abs=1e-9)
+    simulate(orders(pp, vp, m, forward_only=True), vp)
+
+
+def test_simulate_reports_a_deadlock():
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[Step("B", 0, 0), Step("F", 0, 0)], [Step("F", 0, 0), Step("B", 0, 0)]], 1)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[Step("F", 0, 0)], [Step("B", 0, 0), Step("F", 0, 0)]], 1)
+
+
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_message_streams_are_consumed_in_the_order_they_are_produced(pp, vp, m):
+    """p2p.py sends no header: on each (sender, receiver, direction) the k-th message sent must be the k-th
+    the receiver asks for. Forward messages go rank r -> r + 1 (the last rank feeds chunk c + 1 of rank 0)."""
+    ranks = orders(pp, vp, m)
+    for rank in range(pp):
+        receiver = (rank + 1) % pp
+        sent = [(s.chunk + (receiver == 0), s.microbatch) for s in ranks[rank]
+                if s.kind == "F" and not (rank == pp - 1 and s.chunk == vp - 1)]
+        wanted = [(s.chunk, s.microbatch) for s in ranks[receiver]
+                  if s.kind == "F" and not (receiver == 0 and s.chunk == 0)]
+        assert sent == wanted
+        sender = (rank + 1) % pp  # gradients flow from rank + 1 back to rank
+        sent = [(s.chunk - (sender == 0), s.microbatch) for s in ranks[sender]
+                if s.kind == "B" and not (sender == 0 and s.chunk == 0)]
+        wanted = [(s.chunk, s.microbatch) for s in ranks[rank]
+                  if s.kind == "B" and not (rank == pp - 1 and s.chunk == vp - 1)]
+        assert sent == wanted
+
+
+def test_constraint_errors_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="multiple of --pipeline-model-parallel-size 4"):
+        check_pipeline_schedule(4, 2, 6)
+    with pytest.raises(ConfigError, match="needs --pipeline-model-parallel-size > 1"):
+        get_forward_backward_func(1, 2)
+    with pytest.raises(ConfigError, match="at least one micro batch"):
+        check_pipeline_schedule(2, 1, 0)
+    check_pipeline_schedule(4, 1, 3)  # 1F1B runs fewer micro batches than stages (with a larger bubble)
+    flags = ["--num-layers", "8", "--pipeline-model-parallel-size", "4", "--micro-batch-size", "1", "--mock-data",
+             "--vocab-size", "256"]
+    with pytest.raises(ConfigError) as error:
+        parse_config(flags + ["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], world_size=4)
+    assert "multiple of --pipeline-model-parallel-size 4" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="--num-layers 6 is not divisible by --pipeline-model-parallel-size 4"):
+        parse_config(flags + ["--num-layers", "6"], world_size=4)
+    with pytest.raises(ConfigError, match="does not divide"):
+        parse_config(flags + ["--num-layers-per-virtual-pipeline-stage", "3"], world_size=4)
+
+
+def test_schedule_picked_by_layout():
+    assert get_forward_backward_func(1) is forward_backward_no_pipelining
+    assert get_forward_backward_func(4, 1) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 2) is forward_backward_pipelining_with_interleaving
+
+
+def test_p2p_shape_from_config_and_mismatch_message():
+    assert pipeline_tensor_shape(32, 2, 64) == (32, 2, 64)
+    assert pipeline_tensor_shape(32, 2, 64, tp_size=4, sequence_parallel=True) == (8, 2, 64)
+    assert pipeline_tensor_shape(32, 2, 64, tp_size=4) == (32, 2, 64)
+    p2p = PipelineP2P(ParallelState.single_process(torch.device("cpu")), (32, 2, 64), torch.float32)
+    with pytest.raises(ValueError, match=r"\(16, 2, 64\) torch.float32 tensor but the configured pipeline tensor"):
+        p2p.communicate(send_next=torch.zeros(16, 2, 64))
+
+
+def test_trace_helpers():
+    events = simulate(orders(2, 1, 2), 1)
+    assert idle_fractions(events) == pytest.approx([1 / 3, 1 / 3])
+    rows = chrome_trace(events)["traceEvents"]
+    assert len(rows) == 8 and {r["tid"] for r in rows} == {0, 1} and rows[0]["name"] == "F0"
