@@ -1,0 +1,135 @@
+"""Training throughput of our GPT (tp=1) versus Hugging Face ``GPT2LMHeadModel``, in one run.
+
+Same sizes (default: 6 layers, hidden 512, 8 heads, seq 256, micro batch 8, vocab 50304, fp32), same
+random tokens, same optimizer (torch AdamW, fused), dropout off in both. Trials alternate between the two
+models so a slow period of the machine hits both. MFU is model FLOPs per second (``6 N + 12 L h s`` per
+token, LM head included) over the fp32 matmul rate measured in the same run.
+
+    .venv/bin/python benchmarks/train_throughput.py [--torch-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megatron_like.config import Config, ModelConfig
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training.metrics import flops_per_token
+
+
+def measure_matmul_rate(size: int = 2048, repeats: int = 10) -> float:
+    """fp32 GEMM FLOP/s of this machine right now (best of ``repeats``)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def build_ours(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
+    config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                         seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, ParallelState.single_process(), vocab_size=args.vocab, seed=1234)
+    positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, args.seq)
+
+    def loss_fn(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return m(tokens[:, :-1], positions, labels=tokens[:, 1:]).mean()
+
+    return model, loss_fn
+
+
+def build_hf(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config, attn_implementation="sdpa") if _accepts_attn(GPT2LMHeadModel) else \
+        GPT2LMHeadModel(config)
+
+    def loss_fn(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        # HF shifts the labels itself: feed the same seq tokens as ours and let it predict the next ones.
+        return m(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss
+
+    return model, loss_fn
+
+
+def _accepts_attn(cls: type) -> bool:
+    try:
+        import inspect
+
+        return "attn_implementation" in inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def make_step(model: torch.nn.Module, loss_fn: callable, compile_model: bool):
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+    forward = torch.compile(model) if compile_model else model
+
+    def step(tokens: torch.Tensor) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(forward, tokens)
+        loss.backward()
+        optimizer.step()
+        return float(loss)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--trials", type=int, default=4, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--torch-compile", action="store_true", help="torch.compile both models")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1))
+    models = {"megatron_like": build_ours(args), "HF GPT2LMHeadModel": build_hf(args)}
+    steps = {name: make_step(m, fn, args.torch_compile) for name, (m, fn) in models.items()}
+    for step in steps.values():
+        for _ in range(args.warmup):
+            step(tokens)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.trials):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(tokens)
+            times[name].append(time.perf_counter() - start)
+    matmul_rate = measure_matmul_rate()
+
+    cfg = Config(model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                                   num_attention_heads=args.heads, seq_length=args.seq))
+    flops = flops_per_token(cfg, args.vocab)
+    tokens_per_step = args.micro_batch * args.seq
+    hf_rate = tokens_per_step / statistics.median(times["HF GPT2LMHeadModel"])
+    mode = "torch.compile" if args.torch_compile else "eager"
+    print(f"# training step, {args.layers}L h{args.hidden} {args.heads} heads seq {args.seq} micro batch "
+          f"{args.micro_batch} vocab {args.vocab}, fp32 {mode}, {torch.get_num_threads()} threads")
+    print(f"# measured fp32 matmul rate: {matmul_rate / 1e9:.1f} GFLOP/s")
+    print("| model | ms/step (median) | tokens/s | GFLOP/s | MFU vs matmul | speed vs HF |")
+    print("|---|---|---|---|---|---|")
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        rate = tokens_per_step / median
+        print(f"| {name} | {median * 1000:.0f} | {rate:.0f} | {rate * flops / 1e9:.1f} | "
+              f"{rate * flops / matmul_rate:.0%} | {rate / hf_rate:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
