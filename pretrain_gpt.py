@@ -24,16 +24,16 @@ from megatron_like.training.loop import check_supported
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def vocab_size_of(config: Config) -> int:
-    """Unpadded vocabulary: --vocab-size for mock/null data, else the tokenizer's."""
-    if config.data.mock_data or config.data.tokenizer_type == "NullTokenizer":
-        return config.model.vocab_size
+def vocab_and_eod(config: Config) -> tuple[int, int | None]:
+    """Unpadded vocabulary size and end-of-document id (mock data: --vocab-size and no eod)."""
+    if config.data.mock_data:
+        return config.model.vocab_size, None
     from megatron_like.data.tokenizer import build_tokenizer
 
     d = config.data
     tokenizer = build_tokenizer(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
                                 config.model.vocab_size)
-    return tokenizer.vocab_size
+    return tokenizer.vocab_size, tokenizer.eod
 
 
 def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_process: bool,
@@ -46,13 +46,19 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     )
 
 
-def get_batch(data_iterator: Iterator | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """Split ``text [b, s + 1]`` into inputs ``[b, s]``, shifted labels ``[b, s]`` and positions."""
+def get_batch(data_iterator: Iterator | None, device: torch.device,
+              eod_token: int | None = None) -> dict[str, torch.Tensor]:
+    """Split ``text [b, s + 1]`` into inputs ``[b, s]``, shifted labels ``[b, s]``, positions and loss mask.
+
+    With ``eod_token`` (--eod-mask-loss) the loss mask is 0 where the input is end-of-document.
+    """
     text = next(data_iterator)["text"].to(device)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    return {"tokens": tokens, "labels": labels, "position_ids": positions,
-            "loss_mask": torch.ones_like(tokens, dtype=torch.float32)}
+    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    if eod_token is not None:
+        loss_mask[tokens == eod_token] = 0.0
+    return {"tokens": tokens, "labels": labels, "position_ids": positions, "loss_mask": loss_mask}
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -61,9 +67,10 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[to
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator: Iterator | None, model: GPTModel) -> tuple[torch.Tensor, Callable]:
+def forward_step(data_iterator: Iterator | None, model: GPTModel,
+                 eod_token: int | None = None) -> tuple[torch.Tensor, Callable]:
     """Run one micro batch through ``model``; return its output and how to turn it into a loss."""
-    batch = get_batch(data_iterator, model.ps.device)
+    batch = get_batch(data_iterator, model.ps.device, eod_token)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
     return output, functools.partial(loss_func, batch["loss_mask"])
 
@@ -90,9 +97,11 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
 def main(argv: list[str] | None = None) -> None:
     config = parse_config_or_exit(argv)
     check_supported_or_exit(config)
-    padded_vocab_size = config.padded_vocab_size(vocab_size_of(config))
+    vocab_size, eod = vocab_and_eod(config)
+    padded_vocab_size = config.padded_vocab_size(vocab_size)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
-    pretrain(config, provider, forward_step, datasets_provider, padded_vocab_size=padded_vocab_size)
+    step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
+    pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
 
 
 def check_supported_or_exit(config: Config) -> None:

@@ -254,6 +254,8 @@ class DataConfig:
     """Directory for the cached sample indices; defaults to beside the data."""
     num_workers: int = 2
     """Data loader worker processes."""
+    eod_mask_loss: bool = False
+    """Do not train on the prediction made at an end-of-document token (the next document's first token)."""
 
     def validate(self) -> None:
         _require(
