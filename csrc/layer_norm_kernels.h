@@ -32,6 +32,10 @@ void layer_norm_forward(const T* x, const T* x_bias, const T* residual, const T*
           s[j] = v;
           sum += v;
         }
+      } else if constexpr (std::is_same_v<T, A>) {
+        // Plain LN on float rows: read x in place, no staging copy.
+#pragma omp simd reduction(+ : sum)
+        for (std::int64_t j = 0; j < h; ++j) sum += xr[j];
       } else {
 #pragma omp simd reduction(+ : sum)
         for (std::int64_t j = 0; j < h; ++j) {
@@ -40,16 +44,20 @@ void layer_norm_forward(const T* x, const T* x_bias, const T* residual, const T*
           sum += v;
         }
       }
+      const A* src = s.data();
+      if constexpr (std::is_same_v<T, A>) {
+        if (residual == nullptr && x_bias == nullptr) src = xr;
+      }
       const A mean = sum / static_cast<A>(h);
       // Two-pass variance on the cached row: no cancellation, unlike E[x^2] - E[x]^2.
       A sq = 0;
 #pragma omp simd reduction(+ : sq)
-      for (std::int64_t j = 0; j < h; ++j) sq += (s[j] - mean) * (s[j] - mean);
+      for (std::int64_t j = 0; j < h; ++j) sq += (src[j] - mean) * (src[j] - mean);
       const A rstd = A(1) / std::sqrt(sq / static_cast<A>(h) + static_cast<A>(eps));
       T* outr = out + r * h;
 #pragma omp simd
       for (std::int64_t j = 0; j < h; ++j)
-        store(outr, j, (s[j] - mean) * rstd * load(gamma, j) + load(beta, j));
+        store(outr, j, (src[j] - mean) * rstd * load(gamma, j) + load(beta, j));
       mean_out[r] = mean;
       rstd_out[r] = rstd;
     }

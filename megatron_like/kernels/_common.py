@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
+
+from megatron_like.kernels._loader import load
 
 # Must match ml::DType in csrc/common.h.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -45,3 +49,35 @@ def threads() -> int:
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Return the dtype of per-row statistics kept for ``dtype`` data (float32, float64 for float64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+CUDA_TWINS = ("scaled_masked_softmax", "scaled_upper_triang_masked_softmax", "layer_norm")
+"""Ops with a CUDA build (``csrc/cuda/<name>.cu`` -> ``megatron_like._csrc.cuda_<name>``)."""
+
+
+def cuda_supported(*tensors: torch.Tensor | None) -> bool:
+    """Return whether the CUDA twins can take these tensors: on one CUDA device, float32/bf16/fp16."""
+    devices = {t.device for t in tensors if t is not None}
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return (
+        len(devices) == 1
+        and next(iter(devices)).type == "cuda"
+        and len(dtypes) == 1
+        and next(iter(dtypes)) in (torch.float32, torch.bfloat16, torch.float16)
+    )
+
+
+def pick_kernel(name: str, *tensors: torch.Tensor | None) -> tuple[ModuleType, int] | None:
+    """Return (compiled module, last argument) for op ``name`` on these tensors, or None for the fallback.
+
+    CPU tensors get ``megatron_like._csrc.<name>`` and the thread count; CUDA tensors get the CUDA twin
+    ``megatron_like._csrc.cuda_<name>`` and the current stream handle (both modules share signatures).
+    """
+    if cpu_supported(*tensors):
+        module = load(name)
+        return None if module is None else (module, threads())
+    if name in CUDA_TWINS and cuda_supported(*tensors):
+        module = load(f"cuda_{name}")
+        device = next(t.device for t in tensors if t is not None)
+        return None if module is None else (module, torch.cuda.current_stream(device).cuda_stream)
+    return None

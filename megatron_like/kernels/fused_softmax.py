@@ -7,7 +7,8 @@ drops key ``j > i`` for query ``i``. A row whose keys are all masked returns zer
 gradient), like Megatron's CUDA kernels, rather than the NaNs of a softmax over ``-inf``.
 
 bf16/fp16 inputs are exponentiated and summed in fp32 and the probabilities stored back in the input
-dtype. The C++ path (``csrc/softmax_kernels.h``) runs for CPU float tensors; everything else runs the
+dtype. The C++ path (``csrc/softmax_kernels.h``) runs for CPU float tensors, the CUDA twin
+(``csrc/cuda/softmax.cuh``, when built) for CUDA tensors; everything else runs the
 PyTorch fallback below, which has the same numerics contract.
 """
 
@@ -15,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_like.kernels._common import cpu_supported, dtype_code, threads
-from megatron_like.kernels._loader import load
+from megatron_like.kernels._common import dtype_code, pick_kernel
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,9 +63,10 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        module = load("scaled_masked_softmax") if cpu_supported(x) else None
-        kernel_mask = _canonical_mask(mask, x) if (module is not None and mask is not None) else None
-        if module is not None and (mask is None or kernel_mask is not None):
+        kernel = pick_kernel("scaled_masked_softmax", x)
+        kernel_mask = _canonical_mask(mask, x) if (kernel is not None and mask is not None) else None
+        if kernel is not None and (mask is None or kernel_mask is not None):
+            module, last_arg = kernel
             x = x.contiguous()
             y = torch.empty_like(x)
             b, np_, sq, sk = x.shape
@@ -82,7 +83,7 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
                 mask_batches,
                 float(scale),
                 dtype_code(x.dtype),
-                threads(),
+                last_arg,
             )
         else:
             y = _softmax_forward_torch(x, mask, scale, causal=False)
@@ -93,14 +94,15 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (y,) = ctx.saved_tensors
-        module = load("scaled_masked_softmax") if cpu_supported(dy, y) else None
-        if module is None:
+        kernel = pick_kernel("scaled_masked_softmax", dy, y)
+        if kernel is None:
             return _softmax_backward_torch(dy, y, ctx.scale), None, None
+        module, last_arg = kernel
         dy = dy.contiguous()
         dx = torch.empty_like(y)
         sk = y.shape[-1]
         module.backward(
-            dy.data_ptr(), y.data_ptr(), dx.data_ptr(), y.numel() // sk, sk, ctx.scale, dtype_code(y.dtype), threads()
+            dy.data_ptr(), y.data_ptr(), dx.data_ptr(), y.numel() // sk, sk, ctx.scale, dtype_code(y.dtype), last_arg
         )
         return dx, None, None
 
@@ -110,13 +112,14 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        module = load("scaled_upper_triang_masked_softmax") if cpu_supported(x) else None
-        if module is not None:
+        kernel = pick_kernel("scaled_upper_triang_masked_softmax", x)
+        if kernel is not None:
+            module, last_arg = kernel
             x = x.contiguous()
             y = torch.empty_like(x)
             sq, sk = x.shape[-2:]
             module.forward(
-                x.data_ptr(), y.data_ptr(), x.numel() // sk, sq, sk, float(scale), dtype_code(x.dtype), threads()
+                x.data_ptr(), y.data_ptr(), x.numel() // sk, sq, sk, float(scale), dtype_code(x.dtype), last_arg
             )
         else:
             y = _softmax_forward_torch(x, None, scale, causal=True)
@@ -127,10 +130,11 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         (y,) = ctx.saved_tensors
-        module = load("scaled_upper_triang_masked_softmax") if cpu_supported(dy, y) else None
-        if module is None:
+        kernel = pick_kernel("scaled_upper_triang_masked_softmax", dy, y)
+        if kernel is None:
             # Above the diagonal y == 0, so the general formula already gives zeros there.
             return _softmax_backward_torch(dy, y, ctx.scale), None
+        module, last_arg = kernel
         dy = dy.contiguous()
         dx = torch.empty_like(y)
         sq, sk = y.shape[-2:]
@@ -143,7 +147,7 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
             sk,
             ctx.scale,
             dtype_code(y.dtype),
-            threads(),
+            last_arg,
         )
         return dx, None
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_like.kernels._common import accum_dtype, cpu_supported, dtype_code, threads
-from megatron_like.kernels._loader import load
+from megatron_like.kernels._common import accum_dtype, dtype_code, pick_kernel
 
 
 def _layer_norm_forward_torch(
@@ -52,13 +51,14 @@ class FusedAddLayerNorm(torch.autograd.Function):
         h = x.shape[-1]
         n = x.numel() // h if h else 0
         fused = x_bias is not None or residual is not None
-        module = load("layer_norm") if cpu_supported(x, x_bias, residual, weight, bias) else None
-        if module is not None:
+        kernel = pick_kernel("layer_norm", x, x_bias, residual, weight, bias)
+        if kernel is not None:
+            module, last_arg = kernel
             x = x.contiguous()
             residual = residual.contiguous() if residual is not None else None
             out = torch.empty_like(x)
             s = torch.empty_like(x) if fused else x
-            mean = torch.empty(n, dtype=accum_dtype(x.dtype))
+            mean = torch.empty(n, dtype=accum_dtype(x.dtype), device=x.device)
             rstd = torch.empty_like(mean)
             module.forward(
                 x.data_ptr(),
@@ -74,7 +74,7 @@ class FusedAddLayerNorm(torch.autograd.Function):
                 h,
                 float(eps),
                 dtype_code(x.dtype),
-                threads(),
+                last_arg,
             )
         else:
             s = x
@@ -97,9 +97,10 @@ class FusedAddLayerNorm(torch.autograd.Function):
         s, weight, mean, rstd = ctx.saved_tensors
         h = s.shape[-1]
         n = s.numel() // h if h else 0
-        module = load("layer_norm") if cpu_supported(dout, dsum, s, weight) else None
+        kernel = pick_kernel("layer_norm", dout, dsum, s, weight)
         dx_bias = None
-        if module is not None:
+        if kernel is not None:
+            module, last_arg = kernel
             dout = dout.contiguous()
             dsum = dsum.contiguous() if dsum is not None else None
             ds = torch.empty_like(s)
@@ -120,7 +121,7 @@ class FusedAddLayerNorm(torch.autograd.Function):
                 n,
                 h,
                 dtype_code(s.dtype),
-                threads(),
+                last_arg,
             )
         else:
             ds, dweight, dbias = _layer_norm_backward_torch(dout.reshape(n, h), s.reshape(n, h), weight, mean, rstd)
