@@ -65,4 +65,8 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=False,
         persistent_workers=num_workers > 0,
+        # Every iterator draws a worker base seed from this generator. Without a private one it would
+        # draw from the global torch RNG, so building the iterator after a checkpoint restored that RNG
+        # would shift every later dropout mask and break exact resumption.
+        generator=torch.Generator().manual_seed(consumed_samples),
     )
