@@ -1,0 +1,123 @@
+"""Zero-shot evaluation of a checkpoint (Megatron's ``tasks/main.py --task WIKITEXT103|LAMBADA``).
+
+    python tools/evaluate.py --load ckpt --task WIKITEXT103 --valid-data wiki.test.txt --overlapping-eval 32
+    torchrun --nproc_per_node=2 tools/evaluate.py --load ckpt --tensor-model-parallel-size 2 \\
+        --task LAMBADA --valid-data lambada_test.jsonl --strict-lambada
+
+``WIKITEXT103`` (alias ``perplexity``): the file (``.txt`` as one text, ``.jsonl`` as documents with a
+``text`` field joined by end-of-text) is tokenized as one stream and scored with windows of
+``--eval-seq-length`` (default: the checkpoint's ``--seq-length``) that advance by
+``--overlapping-eval`` tokens, each target scored once. Prints Megatron's line with the token perplexity
+and the word-adjusted one (``exp(total loss / (words - 1))``, words = space-separated pieces).
+``LAMBADA`` (alias ``lambada``): jsonl of ``{"text": ...}``; an example is right when greedy decoding,
+teacher forced, predicts its last token (or, with ``--strict-lambada``, every token of its last word).
+A checkpoint without a tokenizer reads texts as space-separated token ids.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_like.config import ConfigError  # noqa: E402
+from megatron_like.inference import cli  # noqa: E402
+from megatron_like.inference.evaluation import (  # noqa: E402
+    lambada_accuracy,
+    lambada_example,
+    perplexity,
+    sliding_windows,
+)
+
+TASKS = {"WIKITEXT103": "WIKITEXT103", "perplexity": "WIKITEXT103", "LAMBADA": "LAMBADA", "lambada": "LAMBADA"}
+
+
+class IdsTokenizer:
+    """Texts of space-separated ids, for checkpoints trained on mock data."""
+
+    eod = None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+
+def read_documents(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        if not path.endswith((".jsonl", ".json")):
+            return [f.read()]
+        docs = []
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                record = json.loads(line)
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise ValueError(f"{path}:{n}: each line must be a JSON object with a 'text' string")
+                docs.append(record["text"])
+        return docs
+
+
+def build_parser():
+    parser = cli.inference_parser("Zero-shot evaluation: sliding-window perplexity or LAMBADA accuracy")
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--task", required=True, choices=sorted(TASKS), help="What to evaluate.")
+    g.add_argument("--valid-data", required=True, help="Text/jsonl file (perplexity) or jsonl (LAMBADA).")
+    g.add_argument("--overlapping-eval", type=int, default=32, help="Window stride of the perplexity eval.")
+    g.add_argument("--eval-seq-length", type=int, default=None, help="Window length (default: --seq-length).")
+    g.add_argument("--strict-lambada", action="store_true", help="Score every token of the last word.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = cli.parse(build_parser(), argv)
+    try:
+        ps = cli.setup(config)
+        loaded = cli.load(config, ps, args.iteration)
+        tokenizer = loaded.tokenizer or IdsTokenizer()
+        docs = read_documents(args.valid_data)
+        if not docs:
+            raise ValueError(f"--valid-data {args.valid_data} holds no text")
+    except (ConfigError, ValueError, OSError, RuntimeError) as error:
+        cli.fail(str(error))
+    task, chunk = TASKS[args.task], loaded.model[0]
+    batch = config.training.micro_batch_size
+    show = ps.rank == 0
+
+    def bar(total: int):
+        if not show:
+            return None
+        from tqdm import tqdm
+
+        return iter(tqdm(range(total), desc=task, unit="batch", file=sys.stderr))
+
+    try:
+        if task == "WIKITEXT103":
+            tokens: list[int] = []
+            for i, doc in enumerate(docs):
+                if i and tokenizer.eod is not None:
+                    tokens.append(tokenizer.eod)
+                tokens.extend(tokenizer.tokenize(doc))
+            num_words = sum(len(doc.strip().split(" ")) for doc in docs)
+            seq = args.eval_seq_length or loaded.config.model.seq_length
+            seq = min(seq, loaded.config.model.max_positions)
+            stride = min(args.overlapping_eval, seq)
+            windows = len(sliding_windows(len(tokens), seq, stride))
+            result = perplexity(chunk, tokens, num_words, seq, stride, loaded.vocab_size, batch,
+                                bar(-(-windows // batch)))
+            if show:
+                print(result.line(task), flush=True)
+        else:
+            examples = [lambada_example(tokenizer, doc, args.strict_lambada) for doc in docs]
+            progress = bar(-(-len(examples) // batch))
+            accuracy, count = lambada_accuracy(chunk, examples, loaded.vocab_size, batch, progress)
+            if show:
+                print(f" validation results on {task} | number correct: {round(accuracy * count)} | total: {count} | "
+                      f"accuracy: {accuracy:.4f} |", flush=True)
+    except ValueError as error:
+        cli.fail(str(error))
+    finally:
+        ps.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""HTTP text generation server with Megatron's API, on one process or under torchrun (tp x pp).
+
+    python tools/text_generation_server.py --load ckpt --port 5000
+    torchrun --nproc_per_node=2 tools/text_generation_server.py --load ckpt --tensor-model-parallel-size 2
+    curl -X PUT http://127.0.0.1:5000/api -H 'Content-Type: application/json' \\
+        -d '{"prompts": ["The history of"], "tokens_to_generate": 32, "top_p": 0.9}'
+
+``PUT /api`` takes a JSON object with ``prompts`` (list of strings; for a checkpoint without a tokenizer,
+strings of space-separated token ids), ``tokens_to_generate``, and optionally ``temperature``, ``top_k``,
+``top_p``, ``beam_width``, ``random_seed``, ``min_tokens_to_generate``, ``add_BOS`` (accepted, unused).
+As in Megatron, ``top_k == 1`` is greedy, ``top_p == 0`` and ``top_k == 0`` mean no filtering, and
+``beam_width`` selects beam search. The answer: ``text`` (prompt + continuation, per prompt),
+``generated_text``, ``tokens`` (generated ids) and, for beam search, ``scores``.
+
+Every field is checked (type, range, prompt length, output length, batch size, body size) before any
+work; a bad request gets ``400`` and ``{"message": ...}`` and the server keeps serving. Requests are
+served one at a time (a lock): rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each
+valid request to the other ranks of the model, which generate with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_like import collectives as comm  # noqa: E402
+from megatron_like.config import ConfigError  # noqa: E402
+from megatron_like.inference import cli  # noqa: E402
+from megatron_like.inference.generation import GenerationParams, generate  # noqa: E402
+from megatron_like.inference.loading import InferenceModel  # noqa: E402
+
+FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "beam_width", "random_seed",
+          "min_tokens_to_generate", "add_BOS")
+
+
+class RequestError(ValueError):
+    """A request the server refuses with 400; the message goes back to the client."""
+
+
+@dataclass
+class Limits:
+    max_prompts: int = 16
+    max_prompt_tokens: int = 1024
+    max_tokens_to_generate: int = 256
+    max_beam_width: int = 16
+    max_body_bytes: int = 1 << 20
+
+
+def _number(body: dict, name: str, default, kind: type, low: float, high: float, low_open: bool = False):
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise RequestError(f"{name} {value} must be in {bracket}{low}, {high}]")
+    return kind(value)
+
+
+def parse_request(raw: bytes, loaded: InferenceModel, limits: Limits) -> tuple[list[str], list[list[int]],
+                                                                                 GenerationParams]:
+    """(prompt texts, prompt ids, params) of a request body; RequestError says what is wrong."""
+    if len(raw) > limits.max_body_bytes:
+        raise RequestError(f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}")
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise RequestError(f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    unknown = sorted(set(body) - set(FIELDS))
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(FIELDS)}")
+    prompts = body.get("prompts")
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RequestError("prompts must be a non-empty list of strings")
+    if len(prompts) > limits.max_prompts:
+        raise RequestError(f"{len(prompts)} prompts exceed the batch limit of {limits.max_prompts}")
+    if "tokens_to_generate" not in body:
+        raise RequestError("tokens_to_generate is required")
+    new_tokens = _number(body, "tokens_to_generate", None, int, 1, limits.max_tokens_to_generate)
+    min_tokens = _number(body, "min_tokens_to_generate", 0, int, 0, new_tokens)
+    temperature = _number(body, "temperature", 1.0, float, 0.0, 100.0, low_open=True)
+    top_k = _number(body, "top_k", 0, int, 0, loaded.vocab_size)
+    top_p = _number(body, "top_p", 0.0, float, 0.0, 1.0)
+    beam_width = _number(body, "beam_width", 1, int, 1, limits.max_beam_width)
+    seed = _number(body, "random_seed", 1234, int, 0, 2**63 - 1)
+    if not isinstance(body.get("add_BOS", False), bool):
+        raise RequestError("add_BOS must be true or false")
+    ids = []
+    for i, text in enumerate(prompts):
+        if loaded.tokenizer is not None:
+            tokens = loaded.tokenizer.tokenize(text)
+        else:
+            try:
+                tokens = [int(t) for t in text.split()]
+            except ValueError:
+                raise RequestError(f"prompts[{i}]: this model has no tokenizer; send space-separated "
+                                   "token ids") from None
+            if any(not 0 <= t < loaded.vocab_size for t in tokens):
+                raise RequestError(f"prompts[{i}]: token ids must be in [0, {loaded.vocab_size})")
+        if not tokens:
+            raise RequestError(f"prompts[{i}] is empty")
+        if len(tokens) > limits.max_prompt_tokens:
+            raise RequestError(f"prompts[{i}] has {len(tokens)} tokens, more than the limit of "
+                               f"{limits.max_prompt_tokens}")
+        ids.append(tokens)
+    positions = loaded.config.model.max_positions
+    if max(map(len, ids)) + new_tokens > positions:
+        raise RequestError(f"longest prompt ({max(map(len, ids))} tokens) + tokens_to_generate {new_tokens} "
+                           f"exceeds the model's {positions} positions")
+    params = GenerationParams(max_new_tokens=new_tokens, min_new_tokens=min_tokens, seed=seed)
+    if beam_width > 1:
+        params.num_beams = beam_width
+    elif top_k != 1:
+        params.do_sample, params.temperature = True, temperature
+        params.top_k, params.top_p = top_k, (top_p if top_p > 0 else 1.0)
+    return prompts, ids, params.validate()
+
+
+# --------------------------------------------------------------------------------------------------
+# Every rank: run one request
+# --------------------------------------------------------------------------------------------------
+
+
+def broadcast_request(request: dict | None) -> dict | None:
+    """Send rank 0's ``request`` (None = stop) to every rank; returns it everywhere."""
+    if not dist.is_initialized():
+        return request
+    world = dist.group.WORLD
+    payload = json.dumps(request).encode() if dist.get_rank() == 0 else b""
+    size = comm.broadcast(torch.tensor([len(payload)], dtype=torch.long), 0, world)
+    if payload:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    comm.broadcast(data, 0, world)
+    return json.loads(data.numpy().tobytes().decode())
+
+
+def run_request(loaded: InferenceModel, request: dict) -> list:
+    params = GenerationParams(**request["params"])
+    return generate(loaded.model, request["ids"], params, eod=loaded.eod, vocab_size=loaded.vocab_size)
+
+
+def answer(loaded: InferenceModel, prompts: list[str], results: list, beam: bool) -> dict:
+    tokenizer = loaded.tokenizer
+    generated, tokens, scores = [], [], []
+    for sequences in results:
+        best = sequences[0]
+        shown = [t for t in best.token_ids if t != loaded.eod]
+        generated.append(tokenizer.detokenize(shown) if tokenizer else " ".join(map(str, shown)))
+        tokens.append(best.token_ids)
+        scores.append(best.score)
+    joiner = "" if tokenizer else " "
+    out = {"text": [p + joiner + g for p, g in zip(prompts, generated)], "generated_text": generated, "tokens": tokens}
+    if beam:
+        out["scores"] = scores
+    return out
+
+
+def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def reply(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_PUT(self) -> None:
+            if self.path.rstrip("/") != "/api":
+                return self.reply(404, {"message": f"no endpoint {self.path}; use PUT /api"})
+            try:
+                length = int(self.headers.get("Content-Length", ""))
+            except ValueError:
+                return self.reply(411, {"message": "Content-Length is required"})
+            if length < 0 or length > limits.max_body_bytes:
+                self.close_connection = True
+                return self.reply(400, {"message": f"request body of {length} bytes exceeds the limit of "
+                                                   f"{limits.max_body_bytes}"})
+            raw = self.rfile.read(length)
+            try:
+                prompts, ids, params = parse_request(raw, loaded, limits)
+            except RequestError as error:
+                return self.reply(400, {"message": str(error)})
+            request = {"ids": ids, "params": vars(params)}
+            with lock:
+                try:
+                    results = run_request(loaded, broadcast_request(request))
+                except ValueError as error:  # every rank raised the same before any collective
+                    return self.reply(400, {"message": str(error)})
+            return self.reply(200, answer(loaded, prompts, results, params.num_beams > 1))
+
+        def do_GET(self) -> None:
+            self.reply(405, {"message": "use PUT /api with a JSON body"})
+
+        do_POST = do_GET  # noqa: N815 - the name http.server dispatches to
+
+        def log_message(self, fmt: str, *args) -> None:
+            sys.stderr.write(f"[server] {self.address_string()} {fmt % args}\n")
+
+    return Handler
+
+
+def build_parser():
+    parser = cli.inference_parser("Serve text generation over HTTP (Megatron's PUT /api)")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="Address to bind (default: loopback only).")
+    g.add_argument("--port", type=int, default=5000)
+    g.add_argument("--max-prompts", type=int, default=16, help="Prompts per request at most.")
+    g.add_argument("--max-prompt-tokens", type=int, default=1024, help="Tokens per prompt at most.")
+    g.add_argument("--max-tokens-to-generate", type=int, default=256, help="tokens_to_generate at most.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, config = cli.parse(build_parser(), argv)
+    try:
+        ps = cli.setup(config)
+        loaded = cli.load(config, ps, args.iteration)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
+        cli.fail(str(error))
+    limits = Limits(args.max_prompts, args.max_prompt_tokens, args.max_tokens_to_generate)
+    if ps.rank != 0:  # follow rank 0's requests until it stops
+        while (request := broadcast_request(None)) is not None:
+            with contextlib.suppress(ValueError):  # rank 0 answers the client with the same error
+                run_request(loaded, request)
+        ps.destroy()
+        return
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(loaded, limits, threading.Lock()))
+    print(f"serving on http://{args.host}:{server.server_address[1]}/api", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        broadcast_request(None)
+        ps.destroy()
+
+
+if __name__ == "__main__":
+    main()
