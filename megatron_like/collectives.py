@@ -98,3 +98,33 @@ def exchange(
         return
     for request in dist.batch_isend_irecv(ops):
         request.wait()
+
+
+# ---------------------------------------------------------------- flat-buffer collectives of data parallelism
+# They take and return whole flat buffers and can run asynchronously: ``async_op=True`` returns the work
+# handle (``.wait()`` it before reading the output) so a gradient bucket's reduction overlaps backward.
+
+
+def all_reduce_flat(tensor: torch.Tensor, group: Group, async_op: bool = False) -> dist.Work | None:
+    """Sum ``tensor`` in place over ``group``; the work handle when ``async_op`` (None for a group of one)."""
+    if group is None:
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group,
+                        async_op: bool = False) -> dist.Work | None:
+    """Sum ``tensor [world * n]`` over ``group`` and write this rank's chunk into ``output [n]``."""
+    if group is None:
+        output.copy_(tensor)
+        return None
+    return _reduce_scatter_flat(output, tensor, group=group, async_op=async_op)
+
+
+def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group,
+                    async_op: bool = False) -> dist.Work | None:
+    """Concatenate every rank's ``tensor [n]`` into ``output [world * n]`` (rank order)."""
+    if group is None:
+        output.copy_(tensor)
+        return None
+    return _all_gather_flat(output, tensor, group=group, async_op=async_op)

@@ -1,4 +1,4 @@
-"""Optimizer construction, gradient clipping (and mixed precision, loss scaling, CPU offload)."""
+"""Optimizer: fp32 master weights over ZeRO shards, fp16 loss scaling, gradient clipping, CPU offload."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from torch import nn
 
 from megatron_like.config import OptimizerConfig
 from megatron_like.optimizer.clip_grads import clip_grads, global_grad_norm
+from megatron_like.optimizer.distributed_optimizer import DistributedOptimizer, StepResult
+from megatron_like.optimizer.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 
 
 def param_groups(model: Iterable[nn.Module], weight_decay: float) -> list[dict]:
@@ -23,7 +25,10 @@ def param_groups(model: Iterable[nn.Module], weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: Iterable[nn.Module], config: OptimizerConfig) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters; the fused implementation where torch has one for the device."""
+    """Plain AdamW over the model's own parameters and ``.grad`` (no buffers, no sharding).
+
+    Training runs use :class:`DistributedOptimizer`; this is the reference it is checked against.
+    """
     groups = param_groups(model, config.weight_decay)
     return torch.optim.AdamW(
         groups,
@@ -34,4 +39,14 @@ def build_optimizer(model: Iterable[nn.Module], config: OptimizerConfig) -> torc
     )
 
 
-__all__ = ["build_optimizer", "clip_grads", "global_grad_norm", "param_groups"]
+__all__ = [
+    "DistributedOptimizer",
+    "DynamicLossScaler",
+    "LossScaler",
+    "StepResult",
+    "build_loss_scaler",
+    "build_optimizer",
+    "clip_grads",
+    "global_grad_norm",
+    "param_groups",
+]

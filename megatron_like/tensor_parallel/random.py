@@ -106,3 +106,78 @@ def seed_everything(seed: int, tp_rank: int, pp_rank: int, device_type: str = "c
     tracker = get_rng_tracker()
     tracker.reset(device_type)
     tracker.add(MODEL_PARALLEL_RNG, default_seed + 2718 + tp_rank)
+
+
+# --------------------------------------------------------------------------------------------------
+# Activation recomputation
+# --------------------------------------------------------------------------------------------------
+
+_recompute_depth = 0
+
+
+def is_recomputing() -> bool:
+    """True while a :func:`checkpoint` re-runs its function inside backward (ZeRO-3 keeps params then)."""
+    return _recompute_depth > 0
+
+
+def _capture_rng_states() -> dict[str, object]:
+    tracker = get_rng_tracker()
+    states: dict[str, object] = {"cpu": torch.get_rng_state(), "tracker": tracker.get_states()}
+    if tracker.device_type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _restore_rng_states(states: dict[str, object]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    get_rng_tracker().set_states(states["tracker"])
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """Forward without keeping activations; backward re-runs forward with the same RNG states, then
+    backpropagates through the re-run (Megatron's reentrant checkpoint)."""
+
+    @staticmethod
+    def forward(ctx, run_function, *args):
+        ctx.run_function = run_function
+        # Everything the function draws from: the default generator and the tracker's streams. Restored
+        # on recompute, so dropout masks are identical and gradients are bitwise those without recompute.
+        ctx.rng_states = _capture_rng_states()
+        ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+        with torch.no_grad():
+            return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        global _recompute_depth
+        args = list(ctx.other_args)
+        for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[i] = saved.detach().requires_grad_(saved.requires_grad)
+        outside = _capture_rng_states()
+        _restore_rng_states(ctx.rng_states)
+        _recompute_depth += 1
+        try:
+            with torch.enable_grad():
+                outputs = ctx.run_function(*args)
+        finally:
+            _recompute_depth -= 1
+            _restore_rng_states(outside)
+        if isinstance(outputs, torch.Tensor):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if isinstance(o, torch.Tensor) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        grads = [args[i].grad if isinstance(args[i], torch.Tensor) else None for i in range(len(args))]
+        return (None, *grads)
+
+
+def checkpoint(function, *args):
+    """``function(*args)`` without storing its activations; they are recomputed in backward.
+
+    Recompute-safe for dropout: the CPU/CUDA generator and the tracker states are saved at forward and
+    restored for the re-run. At least one tensor argument must require grad (the hidden states do).
+    """
+    return _CheckpointFunction.apply(function, *args)

@@ -2,11 +2,13 @@
 
 Order of one run: process groups -> seeds -> model chunks -> optimizer and schedule -> (resume) ->
 data iterators -> steps (forward/backward schedule, gradient reductions, clipping, AdamW, lr) with the
-log line, evaluation and checkpoints at their intervals.
+log line, evaluation and checkpoints at their intervals. Data parallelism, ZeRO and the optimizer are
+applied in ``parallelize.py`` (its docstring gives the order of every kind of parallelism).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,17 +18,18 @@ import torch
 from torch import nn
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config, ConfigError
+from megatron_like.config import Config
 from megatron_like.data.samplers import build_pretraining_data_loader
-from megatron_like.distributed import finish_grad_sync
+from megatron_like.distributed import gathered_parameters
 from megatron_like.model import chunk_layers
-from megatron_like.optimizer import build_optimizer, clip_grads, global_grad_norm
+from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import seed_everything
 from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token, format_log_line
+from megatron_like.training.parallelize import check_training_flags, parallelize
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[Config, ParallelState, tuple[int, int, int]], tuple[Any, Any, Any]]
@@ -41,24 +44,20 @@ class TrainingResult:
     grad_norms: list[float] = field(default_factory=list)
     validation_losses: list[float] = field(default_factory=list)
     model: list[nn.Module] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    """Loss scale used by each iteration (1.0 without --fp16)."""
+    skipped_iterations: int = 0
+    """Iterations whose update was skipped (fp16 gradient overflow)."""
+    nan_iterations: int = 0
+    """Iterations whose loss was inf or nan."""
+    optimizer: DistributedOptimizer | None = None
 
 
 
 
 def check_supported(config: Config) -> None:
-    """Refuse flags whose feature has not landed yet, before any process starts working."""
-    p, prec, m = config.parallel, config.precision, config.model
-    pending = []
-    if prec.fp16 or prec.bf16:
-        pending.append("--fp16/--bf16")
-    if p.zero_stage > 0 or p.use_distributed_optimizer:
-        pending.append("--zero-stage/--use-distributed-optimizer")
-    if p.optimizer_cpu_offload:
-        pending.append("--optimizer-cpu-offload")
-    if m.recompute_granularity is not None:
-        pending.append("--recompute-granularity")
-    if pending:
-        raise ConfigError(f"{', '.join(pending)} not implemented yet in this version; drop the flag")
+    """Refuse invalid flag combinations before any process starts working (ConfigError, one line)."""
+    check_training_flags(config)
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
@@ -92,22 +91,57 @@ def average_losses(stats: list[dict[str, torch.Tensor]], ps: ParallelState) -> d
     return dict(zip(names, means.tolist()))
 
 
+@dataclass
+class StepOutput:
+    """What one training step did."""
+
+    losses: dict[str, float]
+    """Loss statistics averaged over micro batches and dp ranks (empty off the last stage)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping; None when the step was skipped."""
+    skipped: bool
+    """The fp16 gradients overflowed: no update, the loss scale backed off."""
+    loss_scale: float
+    """The loss scale this step's backward used."""
+
+
+def _with_scaled_loss(forward_step_func: Callable, optimizer: DistributedOptimizer) -> Callable:
+    """``forward_step_func`` whose loss comes out multiplied by the fp16 loss scale (stats unchanged)."""
+
+    def forward_step(data_iterator: Any, chunk: nn.Module) -> tuple[torch.Tensor, Callable]:
+        output, loss_func = forward_step_func(data_iterator, chunk)
+
+        def scaled_loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss, stats = loss_func(output_tensor)
+            return optimizer.scale_loss(loss), stats
+
+        return output, scaled_loss_func
+
+    return forward_step
+
+
 def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
-               model: list[nn.Module], optimizer: torch.optim.Optimizer,
-               scheduler: LearningRateScheduler) -> tuple[dict[str, float], float]:
-    """One optimizer step over a global batch; returns (averaged losses, global grad norm)."""
-    for chunk in model:
-        chunk.zero_grad(set_to_none=True)
+               model: list[nn.Module], optimizer: DistributedOptimizer,
+               scheduler: LearningRateScheduler) -> StepOutput:
+    """One optimizer step over a global batch.
+
+    Main grads are zeroed, the schedule runs every micro batch (the backward hooks accumulate into the
+    fp32 buffers and reduce buckets), ``finish_grad_sync`` completes the reductions, and the optimizer
+    unscales, checks, clips and updates. The lr schedule advances only when the update happened.
+    """
+    data_parallel = optimizer.data_parallel
+    data_parallel.start_grad_sync(config.num_microbatches)
+    loss_scale = optimizer.loss_scale
+    if optimizer.scaler is not None:
+        forward_step_func = _with_scaled_loss(forward_step_func, optimizer)
     schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
     stats = schedule(forward_step_func, data_iterator, model, config.num_microbatches,
                      seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
-    finish_grad_sync(model, ps)
-    params = [p for chunk in model for p in chunk.parameters()]
-    grad_norm = global_grad_norm(params, ps)
-    clip_grads(params, config.optimizer.clip_grad, grad_norm)
-    optimizer.step()
-    scheduler.step()
-    return average_losses(stats, ps), grad_norm
+    data_parallel.finish_grad_sync()
+    result = optimizer.step()
+    if result.successful:
+        scheduler.step()
+    return StepOutput(average_losses(stats, ps), result.grad_norm, not result.successful, loss_scale)
 
 
 def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
@@ -138,12 +172,16 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({ps.tp_rank}, "
               f"{ps.pp_rank}): {n_params}", flush=True)
-    optimizer = build_optimizer(model, config.optimizer)
+    _, optimizer = parallelize(config, ps, model)
     scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters)
 
     iteration, consumed = 0, 0
     if config.checkpoint.load:
-        iteration, consumed = load_checkpoint(config.checkpoint.load, config, ps, model, optimizer, scheduler)
+        # ZeRO-3 params hold no memory between uses: gather them to load into, keep this rank's shard.
+        with gathered_parameters(model, write_back=True):
+            iteration, consumed = load_checkpoint(config.checkpoint.load, config, ps, model, optimizer, scheduler)
+        if not optimizer.master_loaded:
+            optimizer.reload_model_params()
         print_rank(ps, f" > loaded checkpoint from {config.checkpoint.load} at iteration {iteration}")
 
     t, log = config.training, config.logging
@@ -160,7 +198,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     train_iter = data_iterator(train_ds, consumed)
     valid_iter = data_iterator(valid_ds, 0)
 
-    result = TrainingResult(iteration=iteration, model=model)
+    result = TrainingResult(iteration=iteration, model=model, optimizer=optimizer)
+    interval_skipped = interval_nan = 0
     vocab = padded_vocab_size or getattr(model[-1], "vocab_size", 0)
     flops = flops_per_token(config, vocab)
     start_time = time.time()
@@ -168,14 +207,21 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     for chunk in model:
         chunk.train()
     while iteration < t.train_iters:
-        losses, grad_norm = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
+        step = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
+        losses, grad_norm = step.losses, step.grad_norm
+        got_nan = any(not math.isfinite(v) for v in losses.values())
+        result.loss_scales.append(step.loss_scale)
+        result.skipped_iterations += int(step.skipped)
+        result.nan_iterations += int(got_nan)
+        interval_skipped += int(step.skipped)
+        interval_nan += int(got_nan)
         iteration += 1
         consumed += gbs
         interval_iters += 1
         result.iteration = iteration
         if losses:
             result.losses.append(losses.get("lm loss", float("nan")))
-        result.grad_norms.append(grad_norm)
+        result.grad_norms.append(float("nan") if grad_norm is None else grad_norm)
         if iteration % log.log_interval == 0:
             elapsed = (time.perf_counter() - interval_start) / interval_iters
             tokens_per_second = gbs * config.model.seq_length / elapsed
@@ -184,9 +230,11 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                 elapsed_ms=elapsed * 1000.0, tokens_per_second=tokens_per_second,
                 tflops_per_device=flops * tokens_per_second / ps.world_size / 1e12,
                 learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=gbs, losses=losses,
-                loss_scale=1.0, grad_norm=grad_norm, skipped_iterations=0, nan_iterations=0,
+                loss_scale=step.loss_scale, grad_norm=grad_norm, skipped_iterations=interval_skipped,
+                nan_iterations=interval_nan,
             ), rank=-1)
             interval_start, interval_iters = time.perf_counter(), 0
+            interval_skipped = interval_nan = 0
         if valid_iter is not None and log.eval_iters > 0 and iteration % log.eval_interval == 0:
             valid = evaluate(config, ps, forward_step_func, valid_iter, model, log.eval_iters)
             if valid:
@@ -199,7 +247,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
             ckpt.exit_duration_in_mins is not None and (time.time() - start_time) / 60 > ckpt.exit_duration_in_mins
         )
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
-            save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
+            with gathered_parameters(model):
+                save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
         if should_exit:
             print_rank(ps, f" > exiting at iteration {iteration}")
@@ -207,6 +256,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     else:
         if config.checkpoint.save and not (config.checkpoint.save_interval
                                            and iteration % config.checkpoint.save_interval == 0):
-            save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler, consumed)
+            with gathered_parameters(model):
+                save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
+                                consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
     return result

@@ -39,7 +39,15 @@ def global_name(chunk: torch.nn.Module, local_name: str) -> str:
 
 def full_parameters(model: list[torch.nn.Module], ps: ParallelState) -> dict[str, torch.Tensor]:
     """This rank's parameters under global names, tensor-parallel shards gathered along their split dim."""
+    from megatron_like.distributed import gathered_parameters
+
     out = {}
+    with gathered_parameters(model):  # ZeRO-3 params hold no memory between uses
+        _collect_parameters(model, ps, out)
+    return out
+
+
+def _collect_parameters(model: list[torch.nn.Module], ps: ParallelState, out: dict[str, torch.Tensor]) -> None:
     for chunk in model:
         for name, param in chunk.named_parameters():
             if getattr(param, "shared_embedding", False):
@@ -47,8 +55,8 @@ def full_parameters(model: list[torch.nn.Module], ps: ParallelState) -> dict[str
             tensor = param.detach()
             if getattr(param, "tensor_model_parallel", False):
                 tensor = comm.all_gather_along_dim(tensor, ps.tp_group, dim=param.partition_dim)
-            out[global_name(chunk, name)] = tensor.clone()
-    return out
+            # float32: bf16 has no numpy dtype to cross the process boundary in (and compares the same).
+            out[global_name(chunk, name)] = tensor.to(torch.float32, copy=True)
 
 
 def train_gpt(rank: int, world_size: int, flags: list[str]) -> dict:
@@ -67,7 +75,15 @@ def train_gpt(rank: int, world_size: int, flags: list[str]) -> dict:
         "grad_norms": result.grad_norms,
         "params": full_parameters(result.model, ps),
         "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
+        "loss_scales": result.loss_scales,
+        "skipped_iterations": result.skipped_iterations,
+        "nan_iterations": result.nan_iterations,
     }
+
+
+def train_gpt_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> list[dict]:
+    """``train_gpt`` for each flag list in turn, in one process group (spawning costs more than a run)."""
+    return [train_gpt(rank, world_size, flags) for flags in flag_lists]
 
 
 def merge_ranks(results: list[dict]) -> dict:

@@ -1,0 +1,333 @@
+"""Contiguous parameter and gradient buffers of one model chunk, reduced in buckets over data parallelism.
+
+Units and buckets
+-----------------
+A chunk's parameters are grouped into *units*: one per transformer layer, plus the chunk's *root*
+(embeddings, final LayerNorm, output layer). A unit is what ZeRO-3 gathers before its forward and
+backward and frees after them. Each unit is one *bucket* (one flat range reduced together), except that
+the tied word embedding gets a bucket of its own: its copies on the first and last pipeline stage then
+sit at the same offsets of identically sized buckets, so the embedding-group all-reduce can run on a
+ZeRO shard as well as on the full gradient. Buckets are laid out in backward order (last layer first),
+the order in which their gradients complete.
+
+Every bucket is padded to a multiple of the data-parallel size ``dp``; data-parallel rank ``r`` owns
+elements ``[r * n / dp, (r + 1) * n / dp)`` of every bucket of ``n`` elements: its *shard*. Without ZeRO
+(stage 0) a rank's "shard" is the whole bucket, which lets the optimizer treat all stages alike.
+
+What each stage keeps (fp32 = ``main_grad``, p = the params' dtype)::
+
+    stage           0                    1                    2                    3
+    param_flat  p,  whole chunk          whole chunk          whole chunk          per bucket, only while
+                                                                                   gathered
+    param_shard     = param_flat         slice of param_flat  slice of param_flat  own storage (chunk-wide)
+    grad_flat   fp32, whole chunk        whole chunk          per bucket, only     per bucket, only
+                                                              during one backward  during one backward
+    grad_shard      = grad_flat          slice of grad_flat   own storage          own storage
+
+Gradient flow
+-------------
+A post-accumulate-grad hook on each parameter adds ``param.grad`` (p) into its view of ``grad_flat``
+(fp32, so micro batches accumulate in full precision) and drops ``param.grad``. When every parameter of
+a bucket has reported for this micro batch the bucket is *complete*:
+
+* stage 0/1: nothing happens before the last micro batch (no communication while accumulating). On the
+  last one, with ``--overlap-grad-reduce`` the bucket's all-reduce (stage 0) or reduce-scatter (stage 1)
+  is launched asynchronously right away, overlapping the rest of backward; without it every bucket is
+  reduced in :meth:`ParamAndGradBuffer.finish_grad_sync`.
+* stage 2/3: the bucket's gradient is reduce-scattered every micro batch (that is the price of not
+  keeping a full gradient) into the persistent shard, asynchronously with ``--overlap-grad-reduce``;
+  its temporary ``grad_flat`` is then dropped. At stage 3 the gathered parameters are freed too.
+
+Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from megatron_like import collectives as comm
+from megatron_like.parallel_state import ParallelState
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class Bucket:
+    """Parameters reduced (and at ZeRO-3 gathered) together; views into the chunk's flat buffers.
+
+    Attributes:
+        params: the parameters, in layout order; ``ranges[i]`` is ``params[i]``'s ``(start, end)`` in the
+            bucket's flat range.
+        numel: flat length, padded to a multiple of ``dp``.
+        shard_start, shard_numel: this rank's slice of the flat range (the whole range at stage 0).
+    """
+
+    def __init__(self, params: list[nn.Parameter], dp_size: int, dp_rank: int, sharded: bool,
+                 is_shared_embedding: bool = False) -> None:
+        self.params = params
+        self.ranges: list[tuple[int, int]] = []
+        offset = 0
+        for param in params:
+            self.ranges.append((offset, offset + param.numel()))
+            offset += param.numel()
+        self.numel = _ceil_to(max(offset, 1), dp_size)
+        self.shard_numel = self.numel // dp_size if sharded else self.numel
+        self.shard_start = dp_rank * self.shard_numel if sharded else 0
+        self.is_shared_embedding = is_shared_embedding
+        # Views assigned by the owning ParamAndGradBuffer.
+        self.param_flat: torch.Tensor  # [numel], params' dtype
+        self.param_shard: torch.Tensor  # [shard_numel], params' dtype
+        self.grad_flat: torch.Tensor | None = None  # [numel] fp32 (None between backwards at stage 2/3)
+        self.grad_shard: torch.Tensor  # [shard_numel] fp32
+        self.gathered = True
+        # Per-step bookkeeping of the hooks.
+        self.ready = 0
+        self.micro_batches_done = 0
+        self.reduction_launched = False
+
+    def shard_segments(self) -> Iterator[tuple[nn.Parameter, int, int, int, int]]:
+        """Yield ``(param, shard_lo, shard_hi, param_lo, param_hi)`` for each param overlapping this shard.
+
+        ``shard_lo:shard_hi`` indexes ``grad_shard``/``param_shard``; ``param_lo:param_hi`` the flattened param.
+        """
+        lo_shard, hi_shard = self.shard_start, self.shard_start + self.shard_numel
+        for param, (start, end) in zip(self.params, self.ranges):
+            lo, hi = max(start, lo_shard), min(end, hi_shard)
+            if lo < hi:
+                yield param, lo - lo_shard, hi - lo_shard, lo - start, hi - start
+
+    # ---------------------------------------------------------------- ZeRO-3 gather / free
+    def gather(self, dp_group: comm.Group) -> None:
+        """Re-allocate ``param_flat`` and all-gather every rank's shard into it (no-op if gathered)."""
+        if self.gathered:
+            return
+        self.param_flat.untyped_storage().resize_(self.numel * self.param_flat.element_size())
+        # The params are views of param_flat's storage, so they see the gathered values; writing through
+        # param_flat (a different tensor) leaves the params' autograd version counters alone, so tensors
+        # saved for backward before the free stay valid after the re-gather.
+        comm.all_gather_flat(self.param_flat, self.param_shard, dp_group)
+        self.gathered = True
+
+    def release(self) -> None:
+        """Free ``param_flat``'s storage; the params keep their shapes but hold no memory."""
+        if self.gathered:
+            self.param_flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+
+def build_units(chunk: nn.Module) -> list[tuple[nn.Module, list[list[nn.Parameter]]]]:
+    """``(module, [params of each bucket])`` per unit: the chunk's layers in backward order, then its root.
+
+    The root (every parameter outside ``chunk.layers``) is split into the tied word embedding, if the
+    chunk holds it, and the rest.
+    """
+    layers = list(getattr(chunk, "layers", []))
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    units: list[tuple[nn.Module, list[list[nn.Parameter]]]] = []
+    for layer in reversed(layers):
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if params:
+            units.append((layer, [params]))
+    shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
+    root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in in_layers and p is not shared]
+    root_buckets = [root] if root else []
+    if shared is not None and shared.requires_grad:
+        root_buckets.append([shared])
+    if root_buckets:
+        units.append((chunk, root_buckets))
+    return units
+
+
+class ParamAndGradBuffer:
+    """The flat buffers, buckets and gradient hooks of one model chunk (see the module docstring)."""
+
+    def __init__(self, chunk: nn.Module, ps: ParallelState, zero_stage: int, overlap_grad_reduce: bool) -> None:
+        self.ps, self.zero_stage, self.overlap = ps, zero_stage, overlap_grad_reduce
+        self.dp_group, self.dp_size = ps.dp_group, ps.dp_size
+        sharded = zero_stage >= 1
+        dtypes = {p.dtype for p in chunk.parameters()}
+        if len(dtypes) != 1:
+            raise ValueError(f"a model chunk must hold one parameter dtype, found {sorted(map(str, dtypes))}")
+        self.param_dtype = dtypes.pop()
+        device = ps.device
+        self.units: list[tuple[nn.Module, list[Bucket]]] = []
+        self.buckets: list[Bucket] = []
+        for module, bucket_params in build_units(chunk):
+            shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
+            unit_buckets = [
+                Bucket(params, ps.dp_size, ps.dp_rank, sharded, is_shared_embedding=params[0] is shared)
+                for params in bucket_params
+            ]
+            self.units.append((module, unit_buckets))
+            self.buckets += unit_buckets
+        total = sum(b.numel for b in self.buckets)
+        total_shard = sum(b.shard_numel for b in self.buckets)
+        # The persistent buffers; each bucket's tensors are views into them (or, at stage 3, own storage).
+        self.param_data = (
+            torch.zeros(total, dtype=self.param_dtype, device=device) if zero_stage < 3
+            else torch.zeros(total_shard, dtype=self.param_dtype, device=device)
+        )
+        self.grad_data = (
+            torch.zeros(total, dtype=torch.float32, device=device) if zero_stage < 2
+            else torch.zeros(total_shard, dtype=torch.float32, device=device)
+        )
+        offset, shard_offset = 0, 0
+        for bucket in self.buckets:
+            n, s0, sn = bucket.numel, bucket.shard_start, bucket.shard_numel
+            if zero_stage < 3:
+                bucket.param_flat = self.param_data[offset : offset + n]
+                bucket.param_shard = bucket.param_flat[s0 : s0 + sn]
+            else:
+                bucket.param_flat = torch.zeros(n, dtype=self.param_dtype, device=device)
+                bucket.param_shard = self.param_data[shard_offset : shard_offset + sn]
+            if zero_stage < 2:
+                bucket.grad_flat = self.grad_data[offset : offset + n]
+                bucket.grad_shard = bucket.grad_flat[s0 : s0 + sn]
+            else:
+                bucket.grad_shard = self.grad_data[shard_offset : shard_offset + sn]
+            # Move each parameter into the flat buffer: from now on it is a view of param_flat.
+            for param, (start, end) in zip(bucket.params, bucket.ranges):
+                bucket.param_flat[start:end].copy_(param.detach().reshape(-1))
+                param.data = bucket.param_flat[start:end].view(param.shape)
+            if zero_stage == 3:
+                bucket.param_shard.copy_(bucket.param_flat[s0 : s0 + sn])
+                bucket.release()
+            offset, shard_offset = offset + n, shard_offset + sn
+        # (work handle, what to do once it completed, the input it reads: kept alive until then)
+        self._pending: list[tuple[object, Callable[[], None], torch.Tensor]] = []
+        self.num_microbatches = 1
+        # Sequence-parallel params hold partial gradients summed over tp after the dp reduction; their
+        # slices of this rank's shards (identical on every tp rank: same layout) are listed once here.
+        self._sequence_parallel_slices = [
+            (bucket, lo, hi) for bucket in self.buckets
+            for param, lo, hi, _, _ in bucket.shard_segments() if getattr(param, "sequence_parallel", False)
+        ]
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(self._make_grad_hook(bucket, start, end))
+            for bucket in self.buckets for param, (start, end) in zip(bucket.params, bucket.ranges)
+        ]
+
+    # ---------------------------------------------------------------- backward hooks
+    def _make_grad_hook(self, bucket: Bucket, start: int, end: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            if bucket.grad_flat is None:
+                bucket.grad_flat = torch.zeros(bucket.numel, dtype=torch.float32, device=param.device)
+            bucket.grad_flat[start:end].add_(param.grad.reshape(-1))
+            param.grad = None
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._bucket_complete(bucket)
+
+        return hook
+
+    def _bucket_complete(self, bucket: Bucket) -> None:
+        """Every param of ``bucket`` has its gradient for this micro batch."""
+        bucket.ready = 0
+        bucket.micro_batches_done += 1
+        if self.zero_stage == 3:
+            bucket.release()
+        if self.zero_stage >= 2:
+            self._reduce(bucket, async_op=self.overlap)
+        elif self.overlap and bucket.micro_batches_done == self.num_microbatches:
+            self._reduce(bucket, async_op=True)
+
+    def _reduce(self, bucket: Bucket, async_op: bool) -> None:
+        """Average ``bucket.grad_flat`` over dp into ``bucket.grad_shard`` (launch; finish now or later)."""
+        grad = bucket.grad_flat
+        if self.dp_size > 1:
+            grad.mul_(1.0 / self.dp_size)
+        if self.zero_stage == 0:
+            work = comm.all_reduce_flat(grad, self.dp_group, async_op=async_op)
+
+            def finish() -> None:
+                pass
+        else:
+            out = torch.empty(bucket.shard_numel, dtype=torch.float32, device=grad.device)
+            work = comm.reduce_scatter_flat(out, grad, self.dp_group, async_op=async_op)
+            if self.zero_stage == 1:
+                def finish() -> None:
+                    bucket.grad_shard.copy_(out)
+            else:
+                bucket.grad_flat = None  # freed once the collective (which holds `grad`) completes
+
+                def finish() -> None:
+                    bucket.grad_shard.add_(out)
+        bucket.reduction_launched = True
+        if async_op and work is not None:
+            self._pending.append((work, finish, grad))
+        else:
+            finish()
+
+    # ---------------------------------------------------------------- per step
+    def start_grad_sync(self, num_microbatches: int) -> None:
+        """Zero the gradients and the hooks' counters before the first micro batch of a step."""
+        self.num_microbatches = num_microbatches
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.ready = bucket.micro_batches_done = 0
+            bucket.reduction_launched = False
+            if self.zero_stage >= 2:
+                bucket.grad_flat = None
+
+    def finish_grad_sync(self) -> None:
+        """Reduce what the hooks have not, wait for every launched reduction; grads are then final."""
+        for bucket in self.buckets:
+            if self.zero_stage >= 2:
+                if bucket.grad_flat is not None:  # a backward that did not reach every param of the bucket
+                    bucket.ready = 0
+                    self._reduce(bucket, async_op=True)
+                if self.zero_stage == 3:
+                    bucket.release()
+            elif not bucket.reduction_launched:
+                self._reduce(bucket, async_op=True)
+        for work, finish, _ in self._pending:
+            work.wait()
+            finish()
+        self._pending.clear()
+        for bucket in self.buckets:
+            if self.zero_stage >= 2:
+                bucket.grad_flat = None
+
+    def sequence_parallel_grad_slices(self) -> list[torch.Tensor]:
+        """Views of this rank's reduced gradient that belong to sequence-parallel params."""
+        return [bucket.grad_shard[lo:hi] for bucket, lo, hi in self._sequence_parallel_slices]
+
+    def shared_embedding_grad(self) -> torch.Tensor | None:
+        """This rank's reduced gradient of the tied word embedding (its own bucket), if the chunk holds it."""
+        for bucket in self.buckets:
+            if bucket.is_shared_embedding:
+                return bucket.grad_shard
+        return None
+
+    # ---------------------------------------------------------------- after the optimizer step
+    def gather_updated_params(self) -> None:
+        """Stage 1/2: all-gather every rank's updated shard so each rank holds the whole model again."""
+        if self.zero_stage not in (1, 2) or self.dp_size == 1:
+            return
+        works = []
+        for bucket in self.buckets:
+            # A separate input: the output region holding it would be overwritten while it is read.
+            works.append(comm.all_gather_flat(bucket.param_flat, bucket.param_shard.clone(), self.dp_group,
+                                              async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
+
+    def gather_all(self) -> None:
+        """Stage 3: gather every bucket (checkpointing, tests); :meth:`release_all` frees them again."""
+        for bucket in self.buckets:
+            bucket.gather(self.dp_group)
+
+    def release_all(self, write_back: bool = False) -> None:
+        """Stage 3: free every gathered bucket, first copying this rank's slice back when ``write_back``."""
+        if self.zero_stage != 3:
+            return
+        for bucket in self.buckets:
+            if write_back and bucket.gathered:
+                s0 = bucket.shard_start
+                bucket.param_shard.copy_(bucket.param_flat[s0 : s0 + bucket.shard_numel])
+            bucket.release()

@@ -1,0 +1,126 @@
+"""Data parallelism and ZeRO over the data-parallel group, applied to this rank's model chunks.
+
+``DataParallel(model, ps, zero_stage, overlap_grad_reduce)`` moves every parameter of every chunk into
+the flat buffers of :mod:`megatron_like.distributed.buffers` (one :class:`ParamAndGradBuffer` per
+chunk) and, at ZeRO-3, installs the gather/free hooks. The chunks stay plain modules (no wrapper: names,
+``chunk.layers`` and ``set_input_tensor`` are unchanged); each gets a ``param_and_grad_buffer`` attribute.
+
+One training step, as ``train_step`` drives it::
+
+    data_parallel.start_grad_sync(num_microbatches)   # zero main grads, reset the hooks' counters
+    schedule(...)                                     # backward hooks accumulate, reduce buckets
+    data_parallel.finish_grad_sync()                  # remaining reductions, SP and tied-embedding sums
+    optimizer.step()                                  # steps this rank's shards, all-gathers (stage 1/2)
+
+ZeRO-3 gather and free points, per unit (a transformer layer, or a chunk's root: embeddings, final
+LayerNorm, output layer):
+
+* forward: gathered by a forward pre-hook, freed by the forward hook (not while a recompute runs
+  inside backward: backward needs the params right after);
+* backward: gathered by a pre-hook on the ``grad_fn`` of the unit's output (it runs before any of the
+  unit's backward ops), freed by the gradient hook once every param of the bucket has its gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from megatron_like import collectives as comm
+from megatron_like.distributed.buffers import Bucket, ParamAndGradBuffer
+from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel.random import is_recomputing
+
+
+def _install_zero3_hooks(module: nn.Module, buckets: list[Bucket], dp_group: comm.Group) -> None:
+    """Gather ``buckets`` around ``module``'s forward and backward, free them after (see module docstring)."""
+
+    def gather(*_: object) -> None:
+        for bucket in buckets:
+            bucket.gather(dp_group)
+
+    def after_forward(_module: nn.Module, _args: object, output: object) -> None:
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            output.grad_fn.register_prehook(lambda grad_outputs: gather())
+        if not is_recomputing():
+            for bucket in buckets:
+                bucket.release()
+
+    module.register_forward_pre_hook(gather)
+    module.register_forward_hook(after_forward)
+
+
+class DataParallel:
+    """Every model chunk's buffers: the training loop's handle on data parallelism and ZeRO."""
+
+    def __init__(self, model: list[nn.Module], ps: ParallelState, zero_stage: int = 0,
+                 overlap_grad_reduce: bool = False) -> None:
+        self.ps, self.zero_stage = ps, zero_stage
+        self.buffers = []
+        for chunk in model:
+            buffer = ParamAndGradBuffer(chunk, ps, zero_stage, overlap_grad_reduce)
+            chunk.param_and_grad_buffer = buffer
+            if zero_stage == 3:
+                for module, buckets in buffer.units:
+                    _install_zero3_hooks(module, buckets, ps.dp_group)
+            self.buffers.append(buffer)
+
+    def buckets(self) -> Iterator[Bucket]:
+        for buffer in self.buffers:
+            yield from buffer.buckets
+
+    def start_grad_sync(self, num_microbatches: int) -> None:
+        """Zero the main grads; the next ``num_microbatches`` backwards of each chunk make one step."""
+        for buffer in self.buffers:
+            buffer.start_grad_sync(num_microbatches)
+
+    def finish_grad_sync(self) -> None:
+        """Finish the data-parallel reduction, then sum the grads replicated across tp or stages.
+
+        After the dp average each rank holds its shard of the averaged gradient. Then, on those shards
+        (linear reductions commute, and the layouts line up, see buffers.py):
+
+        1. sequence-parallel params (LayerNorms, row-parallel biases) hold partial gradients of their
+           sequence shard: all-reduce (sum) over the tensor-parallel group;
+        2. the tied word embedding on the first and last stage: all-reduce (sum) over the embedding group.
+        """
+        for buffer in self.buffers:
+            buffer.finish_grad_sync()
+        ps = self.ps
+        if ps.tp_group is not None:
+            slices = [s for buffer in self.buffers for s in buffer.sequence_parallel_grad_slices()]
+            if slices:
+                flat = torch.cat(slices)
+                comm.all_reduce(flat, ps.tp_group)
+                torch._foreach_copy_(slices, list(flat.split([s.numel() for s in slices])))
+        if ps.embedding_group is not None:
+            for buffer in self.buffers:
+                grad = buffer.shared_embedding_grad()
+                if grad is not None:
+                    comm.all_reduce(grad, ps.embedding_group)
+
+    def gather_updated_params(self) -> None:
+        """After the optimizer wrote this rank's shards: make every rank's full params current (stage 1/2)."""
+        for buffer in self.buffers:
+            buffer.gather_updated_params()
+
+
+@contextlib.contextmanager
+def gathered_parameters(model: list[nn.Module], write_back: bool = False) -> Iterator[None]:
+    """Inside the block every parameter holds its full value, also at ZeRO-3 (a no-op otherwise).
+
+    With ``write_back`` the (possibly modified, e.g. loaded from a checkpoint) full values are copied back
+    into this rank's persistent shards on exit.
+    """
+    buffers = [chunk.param_and_grad_buffer for chunk in model if hasattr(chunk, "param_and_grad_buffer")]
+    buffers = [b for b in buffers if b.zero_stage == 3]
+    for buffer in buffers:
+        buffer.gather_all()
+    try:
+        yield
+    finally:
+        for buffer in buffers:
+            buffer.release_all(write_back=write_back)

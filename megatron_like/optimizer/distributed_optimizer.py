@@ -1,0 +1,224 @@
+"""The optimizer of every run: fp32 master weights and AdamW state over this rank's ZeRO shards.
+
+It works on the flat buffers of :class:`megatron_like.distributed.DataParallel`. For each bucket it
+owns the rank's shard (the whole bucket without ZeRO, ``1 / dp`` of it with ZeRO 1-3):
+
+* ``master``: fp32 copy of the shard's parameters. When the params are fp32 and stay on their device
+  the master *is* the param shard (no copy: fp32 training costs no extra 4 bytes per param).
+  With ``--optimizer-cpu-offload`` it lives in host memory.
+* AdamW state: one (exp_avg, exp_avg_sq) pair per *segment*, the part of one parameter inside the
+  shard. Segments are views of the flat master and gradient shards; 1-D params (biases, LayerNorms)
+  go to the group without weight decay, as Megatron.
+
+One step (:meth:`DistributedOptimizer.step`), after ``DataParallel.finish_grad_sync``:
+
+1. fp16: unscale the fp32 gradient shards by ``1 / loss_scale``; any inf/nan on any rank skips the step
+   and the loss scaler backs off (see loss_scaler.py);
+2. global gradient norm over the whole world, each parameter counted once (clip_grads.py), and clipping;
+3. AdamW on the master shards: ``torch.optim.AdamW(fused=True)``, or the C++ ``CPUAdam`` with offload,
+   which in the same pass writes the new bf16/fp16 values into the param shard;
+4. master -> param shard (cast) where the two differ; stage 1/2 all-gather the param shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_like import collectives as comm
+from megatron_like.config import OptimizerConfig, PrecisionConfig
+from megatron_like.distributed import DataParallel
+from megatron_like.optimizer.clip_grads import counts_toward_norm
+from megatron_like.optimizer.loss_scaler import LossScaler, build_loss_scaler
+from megatron_like.parallel_state import ParallelState
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    successful: bool
+    """False when fp16 gradients overflowed and the update was skipped."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (None for a skipped step)."""
+
+
+@dataclass
+class _Segment:
+    master: torch.Tensor  # [n] fp32 view of the master shard
+    grad: torch.Tensor  # [n] fp32 view of the gradient shard (on the master's device)
+    counted: bool  # counts toward the global norm on this rank
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's shards with fp32 masters, loss scaling, clipping and optional CPU offload."""
+
+    def __init__(self, data_parallel: DataParallel, config: OptimizerConfig, precision: PrecisionConfig,
+                 ps: ParallelState, cpu_offload: bool = False) -> None:
+        self.data_parallel, self.config, self.ps = data_parallel, config, ps
+        self.sharded = data_parallel.zero_stage >= 1 and ps.dp_size > 1
+        self.scaler: LossScaler | None = build_loss_scaler(precision)
+        self.cpu_offload = cpu_offload
+        master_device = torch.device("cpu") if cpu_offload else ps.device
+        self.buckets = list(data_parallel.buckets())
+        self.masters: list[torch.Tensor] = []  # per bucket, [shard_numel] fp32
+        self.master_grads: list[torch.Tensor] = []  # per bucket: grad_shard, or its host copy
+        self.master_is_param: list[bool] = []
+        self.segments: list[_Segment] = []
+        groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        self.param_copies: dict[torch.Tensor, torch.Tensor] = {}  # master segment -> bf16/fp16 param segment
+        for bucket in self.buckets:
+            param_shard = bucket.param_shard
+            alias = param_shard.dtype == torch.float32 and param_shard.device == master_device
+            master = param_shard if alias else param_shard.detach().to(master_device, torch.float32, copy=True)
+            grad = bucket.grad_shard if bucket.grad_shard.device == master_device else torch.zeros(
+                bucket.shard_numel, dtype=torch.float32, device=master_device)
+            self.masters.append(master)
+            self.master_grads.append(grad)
+            self.master_is_param.append(alias)
+            for param, lo, hi, _, _ in bucket.shard_segments():
+                segment = _Segment(master[lo:hi], grad[lo:hi], counts_toward_norm(param, ps))
+                segment.master.grad = segment.grad
+                self.segments.append(segment)
+                groups[param.ndim > 1].append(segment.master)
+                if not alias and param_shard.device.type == "cpu":
+                    self.param_copies[segment.master] = param_shard[lo:hi]
+        param_groups = [{"params": groups[True], "weight_decay": config.weight_decay},
+                        {"params": groups[False], "weight_decay": 0.0}]
+        param_groups = [g for g in param_groups if g["params"]]
+        if not param_groups:  # this rank's shards hold only padding: step an empty tensor
+            param_groups = [{"params": [torch.zeros(0, device=master_device)], "weight_decay": 0.0}]
+        betas = (config.adam_beta1, config.adam_beta2)
+        if cpu_offload:
+            from megatron_like.kernels.cpu_adam import CPUAdam
+
+            self.inner: torch.optim.Optimizer = CPUAdam(param_groups, lr=config.lr, betas=betas,
+                                                        eps=config.adam_eps, weight_decay=config.weight_decay)
+        else:
+            self.inner = torch.optim.AdamW(param_groups, lr=config.lr, betas=betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay, fused=True)
+        self.master_loaded = False
+
+    # ---------------------------------------------------------------- what the loop and scheduler read
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups (the lr scheduler sets ``lr`` in them)."""
+        return self.inner.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (fp16) or ``loss``: what backward should start from."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    # ---------------------------------------------------------------- the step
+    def _all_reduce_over_replica_world(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce a per-rank value over every rank holding a distinct part of the gradient."""
+        if self.sharded:
+            comm.all_reduce(value, self.ps.dp_group, op=op)
+        comm.all_reduce(value, self.ps.model_parallel_group, op=op)
+        return value
+
+    def _unscale_and_check(self) -> bool:
+        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
+        grads = [b.grad_shard for b in self.buckets]
+        torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.tensor(True)
+        found_inf = (~finite).float().reshape(1).to(self.ps.device)
+        return bool(self._all_reduce_over_replica_world(found_inf, "max").item() > 0)
+
+    def grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient (each parameter once, every stage and shard)."""
+        grads = [s.grad for s in self.segments if s.counted]
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).square().sum()
+        else:
+            squares = torch.zeros(())
+        squares = squares.reshape(1).to(device=self.ps.device, dtype=torch.float32)
+        return float(self._all_reduce_over_replica_world(squares, "sum").sqrt())
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, check, clip and apply AdamW to this rank's shards, then refresh the model params."""
+        if self.scaler is not None:
+            found_inf = self._unscale_and_check()
+            self.scaler.update(found_inf)
+            if found_inf:
+                return StepResult(successful=False, grad_norm=None)
+        norm = self.grad_norm()
+        grads = [b.grad_shard for b in self.buckets]
+        if self.config.clip_grad > 0 and math.isfinite(norm):
+            coefficient = self.config.clip_grad / (norm + 1e-6)
+            if coefficient < 1.0:
+                torch._foreach_mul_(grads, coefficient)
+        for bucket, grad in zip(self.buckets, self.master_grads):
+            if grad is not bucket.grad_shard:
+                grad.copy_(bucket.grad_shard)
+        if self.cpu_offload:
+            self.inner.step(param_copies=self.param_copies)
+        else:
+            self.inner.step()
+        self._copy_masters_to_params(skip_written=self.cpu_offload)
+        self.data_parallel.gather_updated_params()
+        return StepResult(successful=True, grad_norm=norm)
+
+    def _copy_masters_to_params(self, skip_written: bool = False) -> None:
+        """Cast each master shard into its param shard (CPUAdam already wrote the CPU ones)."""
+        for bucket, master, alias in zip(self.buckets, self.masters, self.master_is_param):
+            if alias or (skip_written and bucket.param_shard.device.type == "cpu"):
+                continue
+            bucket.param_shard.copy_(master)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: ``DataParallel.start_grad_sync`` zeroes the flat gradient buffers."""
+
+    # ---------------------------------------------------------------- checkpoints
+    def reload_model_params(self) -> None:
+        """Masters <- param shards (after the model's weights were loaded without optimizer state)."""
+        for bucket, master, alias in zip(self.buckets, self.masters, self.master_is_param):
+            if not alias:
+                master.copy_(bucket.param_shard)
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer: AdamW state, fp32 masters (when separate), loss scaler."""
+        masters = [m.clone() for m, alias in zip(self.masters, self.master_is_param) if not alias]
+        return {
+            "optimizer": self.inner.state_dict(),
+            "masters": masters,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "zero_stage": self.data_parallel.zero_stage,
+            "dp_size": self.ps.dp_size,
+            "dp_rank": self.ps.dp_rank,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (same layout: zero stage, dp and tp sizes) and the params."""
+        if state.get("dp_size", self.ps.dp_size) != self.ps.dp_size and self.sharded:
+            raise ValueError(f"optimizer shard saved with data-parallel size {state['dp_size']}, this run has "
+                             f"{self.ps.dp_size}: ZeRO shards cannot be loaded across dp sizes")
+        self.inner.load_state_dict(state["optimizer"])
+        separate = [m for m, alias in zip(self.masters, self.master_is_param) if not alias]
+        for master, saved in zip(separate, state.get("masters") or []):
+            master.copy_(saved)
+        if separate and state.get("masters"):
+            self.master_loaded = True
+            with torch.no_grad():
+                self._copy_masters_to_params()
+                self.data_parallel.gather_updated_params()
+        if self.scaler is not None and state.get("loss_scaler") is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state on this rank: separate fp32 masters and AdamW moments."""
+        master = sum(m.numel() * m.element_size() for m, alias in zip(self.masters, self.master_is_param)
+                     if not alias)
+        moments = 0
+        for state in self.inner.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    moments += state[key].numel() * state[key].element_size()
+        return {"master": master, "moments": moments}
