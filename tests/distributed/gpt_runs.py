@@ -9,6 +9,7 @@ per-rank results so it can be compared with the single-process run.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -59,8 +60,11 @@ def _collect_parameters(model: list[torch.nn.Module], ps: ParallelState, out: di
             out[global_name(chunk, name)] = tensor.to(torch.float32, copy=True)
 
 
-def train_gpt(rank: int, world_size: int, flags: list[str]) -> dict:
-    """Run pretrain() with ``BASE_FLAGS + flags``; return this rank's losses and full parameters."""
+def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callable | None = None) -> dict:
+    """Run pretrain() with ``BASE_FLAGS + flags``; return this rank's losses and full parameters.
+
+    ``forward_step`` replaces ``pretrain_gpt.forward_step`` (e.g. to inject a fault).
+    """
     import pretrain_gpt
     from megatron_like.training import pretrain
 
@@ -68,8 +72,8 @@ def train_gpt(rank: int, world_size: int, flags: list[str]) -> dict:
     ps = ParallelState.initialize(config.parallel, world_size)
     vocab = config.padded_vocab_size(config.model.vocab_size)
     provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
-    result = pretrain(config, provider, pretrain_gpt.forward_step, pretrain_gpt.datasets_provider, ps=ps,
-                      padded_vocab_size=vocab)
+    result = pretrain(config, provider, forward_step or pretrain_gpt.forward_step, pretrain_gpt.datasets_provider,
+                      ps=ps, padded_vocab_size=vocab)
     return {
         "losses": result.losses,
         "grad_norms": result.grad_norms,
