@@ -1,16 +1,30 @@
-"""Checkpoints: ``<dir>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt`` (DESIGN.md §5).
+"""Checkpoints that resume exactly (DESIGN.md §5).
 
-A save writes every file under a temporary name and renames it when complete; only then, after all
-ranks are done, rank 0 rewrites ``latest_checkpointed_iteration.txt`` atomically. A save interrupted
-anywhere leaves the previous checkpoint the latest one. Loading uses ``weights_only=True``: no
-arbitrary pickle.
+Layout of one checkpoint (``TT`` = tp rank, ``PPP`` = pp rank, ``DDD`` = dp rank)::
+
+    <root>/latest_checkpointed_iteration.txt              last, atomically, by rank 0
+    <root>/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt  data-parallel rank 0 of each (tp, pp) position
+    <root>/iter_0000100/mp_rank_TT_PPP/optim_rng_dp_DDD.pt every other data-parallel rank (DDD >= 1)
+
+``model_optim_rng.pt`` holds ``iteration``, ``consumed_samples`` (the data iterator's position: the
+samplers are deterministic in it), ``config`` (the args), ``model`` (one state dict per virtual stage,
+full tensors also at ZeRO-3), ``optimizer`` (this rank's ZeRO shard, or the whole replicated state
+without ZeRO), ``scheduler`` and ``rng`` (python, numpy, torch and the tensor-parallel tracker).
+``optim_rng_dp_DDD.pt`` holds the ``rng`` of data-parallel rank DDD and, with ZeRO 1-3, its
+``optimizer`` shard: every rank's generators and shards are saved, so a resume is bitwise exact.
+
+Crash safety: every file is written under a temporary name, fsynced and renamed; ranks then meet at a
+barrier and only afterwards rank 0 replaces the tracker the same way. A save killed at any point leaves
+the previous tracker pointing at a complete checkpoint. Loading uses ``torch.load(weights_only=True)``:
+tensors, numbers, strings and containers only, never arbitrary pickle.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -22,69 +36,119 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+RESHARD_HINT = "convert it with tools/checkpoint_reshard.py"
+
+FaultHook = Callable[[str], None]
+fault_hook: FaultHook | None = None
+"""Tests set this to a function called at every point where a save could be interrupted
+(``"open"``, ``"written"``, ``"renamed"``, ``"tracker"``); raising in it simulates a crash there."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used with this run; the message says why and what to do."""
 
 
+def _fault(point: str) -> None:
+    if fault_hook is not None:
+        fault_hook(point)
+
+
 def checkpoint_dir(root: str, iteration: int, ps: ParallelState) -> str:
+    """``<root>/iter_XXXXXXX/mp_rank_TT_PPP``: the directory of this rank's (tp, pp) position."""
     return os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
 
 
-def _write_atomically(path: str, write) -> None:
+def rank_file(directory: str, dp_rank: int) -> str:
+    """The file data-parallel rank ``dp_rank`` writes inside its ``mp_rank_TT_PPP`` directory."""
+    return os.path.join(directory, MODEL_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt")
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Write ``path`` through a temporary file, fsync it, then rename it over ``path`` (all or nothing)."""
     tmp = f"{path}.tmp.{os.getpid()}"
+    _fault("open")
     with open(tmp, "wb") as f:
         write(f)
+        _fault("written")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    # The rename itself must reach the disk before anything that depends on it (the tracker).
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    _fault("renamed")
 
 
 def rng_state() -> dict[str, Any]:
     """This rank's generators, as plain tensors and numbers (safe for ``weights_only`` loading)."""
     np_state = np.random.get_state()
-    return {
-        "python": list(random.getstate()[1]),
-        "python_pos": random.getstate()[2],
+    python_state = random.getstate()
+    state = {
+        "python": list(python_state[1]),
+        "python_pos": python_state[2],
         "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64)),
         "numpy_pos": int(np_state[2]),
         "torch": torch.get_rng_state(),
         "tracker": get_rng_tracker().get_states(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`'s output."""
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     get_rng_tracker().set_states(state["tracker"])
 
 
+def optimizer_is_sharded(optimizer: Any) -> bool:
+    """True when each data-parallel rank holds a different part of the optimizer state (ZeRO 1-3)."""
+    return bool(getattr(optimizer, "sharded", False))
+
+
 def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
-                    optimizer: torch.optim.Optimizer | None, scheduler: Any, consumed_samples: int) -> str:
-    """Save this rank's shard (data-parallel rank 0 writes; its replicas are identical)."""
+                    optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
+    """Save this rank's part of the checkpoint of ``iteration``; returns its ``mp_rank`` directory.
+
+    Every rank writes one file (see the module docstring); all ranks must call this together. The model
+    must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model)``).
+    """
     path = checkpoint_dir(root, iteration, ps)
+    os.makedirs(path, exist_ok=True)
+    save_optim = optimizer is not None and config.checkpoint.save_optim
+    state: dict[str, Any] = {"iteration": iteration, "rng": rng_state()}
+    if save_optim and (ps.dp_rank == 0 or optimizer_is_sharded(optimizer)):
+        state["optimizer"] = optimizer.state_dict()
+    elif ps.dp_rank == 0:
+        state["optimizer"] = None
     if ps.dp_rank == 0:
-        os.makedirs(path, exist_ok=True)
-        state = {
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "config": config.to_dict(),
-            "model": [chunk.state_dict() for chunk in model],
-            "optimizer": optimizer.state_dict() if optimizer is not None and config.checkpoint.save_optim else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng_state(),
-        }
-        _write_atomically(os.path.join(path, "model_optim_rng.pt"), lambda f: torch.save(state, f))
+        state.update(
+            consumed_samples=consumed_samples,
+            config=config.to_dict(),
+            model=[chunk.state_dict() for chunk in model],
+            scheduler=scheduler.state_dict() if scheduler is not None else None,
+            dp_size=ps.dp_size,
+        )
+    write_atomically(rank_file(path, ps.dp_rank), lambda f: torch.save(state, f))
     comm.barrier()
     if ps.rank == 0:
-        _write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
+        _fault("tracker")
+        write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
     comm.barrier()
     return path
 
 
 def latest_iteration(root: str) -> int | None:
+    """The iteration ``<root>/latest_checkpointed_iteration.txt`` names (None when there is none)."""
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.exists(tracker):
         return None
@@ -111,29 +175,65 @@ def check_compatible(saved: dict, config: Config, path: str) -> None:
             flag = "--" + name.replace("_", "-")
             raise CheckpointError(
                 f"checkpoint {path} was saved with {flag} {saved_parallel.get(name)}, this run uses "
-                f"{getattr(config.parallel, name)}; reshard it with tools/checkpoint_reshard.py"
+                f"{getattr(config.parallel, name)}; {RESHARD_HINT}"
             )
+    if saved_parallel.get("num_layers_per_virtual_pipeline_stage") != \
+            config.parallel.num_layers_per_virtual_pipeline_stage:
+        raise CheckpointError(
+            f"checkpoint {path} was saved with --num-layers-per-virtual-pipeline-stage "
+            f"{saved_parallel.get('num_layers_per_virtual_pipeline_stage')}, this run uses "
+            f"{config.parallel.num_layers_per_virtual_pipeline_stage}; {RESHARD_HINT}"
+        )
+
+
+def _check_optimizer_layout(saved: dict, config: Config, ps: ParallelState, optimizer: Any, path: str) -> None:
+    """ZeRO shards only fit the same data-parallel size and an optimizer sharded the same way."""
+    saved_parallel = saved["config"]["parallel"]
+    saved_zero = saved_parallel.get("zero_stage", 0)
+    saved_dp = saved.get("dp_size", ps.dp_size)
+    saved_sharded = saved_zero >= 1 and saved_dp > 1
+    if saved_sharded != optimizer_is_sharded(optimizer) or (saved_sharded and saved_dp != ps.dp_size):
+        raise CheckpointError(
+            f"checkpoint {path} holds optimizer state of --zero-stage {saved_zero} over {saved_dp} data-parallel "
+            f"ranks; this run has --zero-stage {config.parallel.zero_stage} over {ps.dp_size}: {RESHARD_HINT} "
+            "or pass --no-load-optim"
+        )
 
 
 def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn.Module],
-                    optimizer: torch.optim.Optimizer | None, scheduler: Any) -> tuple[int, int]:
-    """Load the latest checkpoint under ``root``; returns (iteration, consumed samples)."""
+                    optimizer: Any, scheduler: Any) -> tuple[int, int]:
+    """Load the latest checkpoint under ``root`` into this rank; returns (iteration, consumed samples).
+
+    The model must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model,
+    write_back=True)``). With ``--finetune`` only the weights are read and (0, 0) is returned.
+    """
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
-    path = os.path.join(checkpoint_dir(root, iteration, ps), "model_optim_rng.pt")
+    directory = checkpoint_dir(root, iteration, ps)
+    path = rank_file(directory, 0)
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing (wrong --tensor/--pipeline-model-parallel-size?)")
+        raise CheckpointError(f"checkpoint file {path} is missing (saved with another --tensor/--pipeline-"
+                              f"model-parallel-size? {RESHARD_HINT})")
     state = torch.load(path, map_location=ps.device, weights_only=True)
     check_compatible(state, config, path)
     for chunk, chunk_state in zip(model, state["model"]):
         chunk.load_state_dict(chunk_state)
     if config.checkpoint.finetune:
         return 0, 0
-    if optimizer is not None and config.checkpoint.load_optim and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
+    own = state
+    if ps.dp_rank > 0:
+        own_path = rank_file(directory, ps.dp_rank)
+        if os.path.exists(own_path):
+            own = torch.load(own_path, map_location=ps.device, weights_only=True)
+        elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:
+            raise CheckpointError(f"checkpoint file {own_path} (this rank's ZeRO shard) is missing; {RESHARD_HINT}")
+    if optimizer is not None and config.checkpoint.load_optim and state.get("optimizer") is not None:
+        _check_optimizer_layout(state, config, ps, optimizer, path)
+        optimizer.load_state_dict(own["optimizer"] if optimizer_is_sharded(optimizer) else state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     if config.checkpoint.load_rng:
-        set_rng_state(state["rng"])
+        # A rank beyond the saved data-parallel size (dp grew) takes dp rank 0's generators.
+        set_rng_state(own["rng"])
     return state["iteration"], state["consumed_samples"]

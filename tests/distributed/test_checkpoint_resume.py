@@ -1,4 +1,7 @@
-"""Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps."""
+"""Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
+
+Layouts: tp2 x pp2, and ZeRO-2 over dp2 (every dp rank saves its own optimizer shard and RNG states).
+"""
 
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
 @pytest.mark.parametrize(
     "world_size,layout",
     [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-     (2, ["--tensor-model-parallel-size", "1"])],
-    ids=["tp2-pp2", "dp2"],
+     (2, ["--zero-stage", "2"])],
+    ids=["tp2-pp2", "zero2-dp2"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:

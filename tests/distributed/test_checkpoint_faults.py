@@ -1,0 +1,122 @@
+"""A save interrupted anywhere leaves the latest checkpoint loadable (single process, no process group).
+
+Two ways to interrupt: a fault injected at each crash point of ``save_checkpoint`` (every point, every
+save), and a forked process saving in a loop that is SIGKILLed at random moments (25 trials). After each
+interruption ``load_checkpoint`` must succeed and give the weights of the iteration the tracker names.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_like.config import parse_config
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training import checkpointing
+from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+
+FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+         "--mock-data", "--vocab-size", "512", "--make-vocab-size-divisible-by", "8"]
+
+
+def build(save_root: str) -> tuple:
+    config = parse_config(FLAGS + ["--save", save_root, "--load", save_root], world_size=1)
+    ps = ParallelState.single_process(torch.device("cpu"))
+    model = [GPTModel(config.model, ps, vocab_size=512, seed=1)]
+    optimizer = torch.optim.AdamW(model[0].parameters(), lr=1e-3)
+    return config, ps, model, optimizer
+
+
+def fill(model: list[torch.nn.Module], value: float) -> None:
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.fill_(value)
+
+
+def assert_latest_loads(root: str, config, ps, model, optimizer) -> int:
+    """Load the latest checkpoint; its weights must all equal the iteration number it was saved at."""
+    iteration = latest_iteration(root)
+    fill(model, -1.0)
+    loaded, consumed = load_checkpoint(root, config, ps, model, optimizer, None)
+    assert loaded == iteration and consumed == 10 * iteration
+    for p in model[0].parameters():
+        assert torch.all(p == float(iteration)), "loaded weights are not those of the tracked iteration"
+    return iteration
+
+
+class Crash(Exception):
+    pass
+
+
+def test_injected_fault_at_every_point_keeps_previous_checkpoint(tmp_path):
+    root = str(tmp_path)
+    config, ps, model, optimizer = build(root)
+    fill(model, 1.0)
+    save_checkpoint(root, 1, config, ps, model, optimizer, None, 10)
+    points_seen: list[str] = []
+    checkpointing.fault_hook = points_seen.append
+    try:
+        save_checkpoint(root, 2, config, ps, model, optimizer, None, 20)
+    finally:
+        checkpointing.fault_hook = None
+    assert {"open", "written", "renamed", "tracker"} <= set(points_seen)
+    fill(model, 2.0)
+    save_checkpoint(root, 2, config, ps, model, optimizer, None, 20)
+    for iteration in (3,):
+        for crash_at in range(len(points_seen)):
+            calls = iter(range(len(points_seen)))
+
+            def hook(point: str, crash_at: int = crash_at, calls=calls) -> None:
+                if next(calls) == crash_at:
+                    raise Crash(point)
+
+            fill(model, float(iteration))
+            checkpointing.fault_hook = hook
+            try:
+                with pytest.raises(Crash):
+                    save_checkpoint(root, iteration, config, ps, model, optimizer, None, 10 * iteration)
+            finally:
+                checkpointing.fault_hook = None
+            last = assert_latest_loads(root, config, ps, model, optimizer)
+            assert last in (iteration - 1, iteration)  # the final rename may have landed before the crash
+        fill(model, float(iteration))
+        save_checkpoint(root, iteration, config, ps, model, optimizer, None, 10 * iteration)
+        assert assert_latest_loads(root, config, ps, model, optimizer) == iteration
+
+
+def _save_forever(root: str, start: int, config, ps, model, optimizer) -> None:
+    torch.set_num_threads(1)
+    iteration = start
+    while True:
+        iteration += 1
+        fill(model, float(iteration))
+        save_checkpoint(root, iteration, config, ps, model, optimizer, None, 10 * iteration)
+
+
+def test_sigkill_during_saves_keeps_latest_checkpoint_loadable(tmp_path):
+    root = str(tmp_path)
+    config, ps, model, optimizer = build(root)
+    fill(model, 1.0)
+    save_checkpoint(root, 1, config, ps, model, optimizer, None, 10)
+    context = multiprocessing.get_context("fork")
+    rng = random.Random(0)
+    last, advanced = 1, 0
+    for _ in range(25):
+        child = context.Process(target=_save_forever, args=(root, last, config, ps, model, optimizer),
+                                daemon=True)
+        child.start()
+        time.sleep(rng.uniform(0.0, 0.15))
+        os.kill(child.pid, signal.SIGKILL)
+        child.join()
+        iteration = assert_latest_loads(root, config, ps, model, optimizer)
+        assert iteration >= last
+        advanced += iteration > last
+        last = iteration
+    assert advanced >= 5, "the saving process was always killed before its first save: the test proves little"
