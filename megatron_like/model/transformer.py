@@ -46,16 +46,17 @@ def sharded_dropout_context(sequence_parallel: bool):
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head self-attention over this rank's ``heads / tp`` heads.
+    """Multi-head self-attention over this rank's ``heads / tp`` heads: causal (GPT) or bidirectional (ViT).
 
     The fused QKV weight is laid out head by head (``[heads, 3, head_dim]`` output features), so a
     contiguous tp slice holds whole heads with their q, k and v.
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
-                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, causal: bool = True) -> None:
         super().__init__()
         h = config.hidden_size
+        self.causal = causal
         self.heads_per_rank = config.num_attention_heads // ps.tp_size
         self.head_dim = h // config.num_attention_heads
         self.attention_dropout = config.attention_dropout
@@ -75,14 +76,14 @@ class SelfAttention(nn.Module):
         )
 
     def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal: ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``."""
+        """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``."""
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # (3, b, np, s, hd)
         q, k, v = qkv.unbind(0)
         dropout_p = self.attention_dropout if self.training else 0.0
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
     def cached_attention(self, qkv: torch.Tensor, inference_context) -> torch.Tensor:
@@ -131,16 +132,19 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))). ``layer`` is the global layer index."""
+    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))). ``layer`` is the global layer index.
+
+    ``causal=False`` gives bidirectional attention (ViT); the weights are the same either way.
+    """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
-                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, causal: bool = True) -> None:
         super().__init__()
         self.layer = layer
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.ln1 = layer_norm(config, sequence_parallel, dtype, ps.device)
-        self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype)
+        self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
         self.ln2 = layer_norm(config, sequence_parallel, dtype, ps.device)
         self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
 
