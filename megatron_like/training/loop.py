@@ -43,6 +43,8 @@ class TrainingResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     validation_losses: list[float] = field(default_factory=list)
+    validation_stats: list[dict[str, float]] = field(default_factory=list)
+    """Every statistic of each validation run (e.g. 'loss' and 'accuracy' of a classifier)."""
     model: list[nn.Module] = field(default_factory=list)
     loss_scales: list[float] = field(default_factory=list)
     """Loss scale used by each iteration (1.0 without --fp16)."""
@@ -79,6 +81,21 @@ def build_model_chunks(config: Config, ps: ParallelState, model_provider: ModelP
             )
         )
     return chunks
+
+
+def main_loss(losses: dict[str, float]) -> float:
+    """The loss a run reports: 'lm loss' (GPT), else 'loss' (other tasks' loss_func), else nan."""
+    return losses.get("lm loss", losses.get("loss", float("nan")))
+
+
+def validation_line(iteration: int, stats: dict[str, float]) -> str:
+    """Megatron's validation line: every statistic's value, and the perplexity of each loss."""
+    parts = [f" validation loss at iteration {iteration}"]
+    for name, value in stats.items():
+        parts.append(f"{name} value: {value:.6E}")
+        if name.endswith("loss"):
+            parts.append(f"{name} PPL: {torch.tensor(value).exp().item():.6E}")
+    return " | ".join(parts) + " |"
 
 
 def average_losses(stats: list[dict[str, torch.Tensor]], ps: ParallelState) -> dict[str, float]:
@@ -220,7 +237,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         interval_iters += 1
         result.iteration = iteration
         if losses:
-            result.losses.append(losses.get("lm loss", float("nan")))
+            result.losses.append(main_loss(losses))
         result.grad_norms.append(float("nan") if grad_norm is None else grad_norm)
         if iteration % log.log_interval == 0:
             elapsed = (time.perf_counter() - interval_start) / interval_iters
@@ -238,10 +255,9 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if valid_iter is not None and log.eval_iters > 0 and iteration % log.eval_interval == 0:
             valid = evaluate(config, ps, forward_step_func, valid_iter, model, log.eval_iters)
             if valid:
-                loss = valid["lm loss"]
-                result.validation_losses.append(loss)
-                print_rank(ps, f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
-                               f"lm loss PPL: {torch.tensor(loss).exp().item():.6E} |", rank=-1)
+                result.validation_losses.append(main_loss(valid))
+                result.validation_stats.append(valid)
+                print_rank(ps, validation_line(iteration, valid), rank=-1)
         ckpt = config.checkpoint
         should_exit = (ckpt.exit_interval is not None and iteration % ckpt.exit_interval == 0) or (
             ckpt.exit_duration_in_mins is not None and (time.time() - start_time) / 60 > ckpt.exit_duration_in_mins
