@@ -97,7 +97,11 @@ def merge_ranks(results: list[dict]) -> dict:
     for r in results:
         for name, tensor in r["params"].items():
             params.setdefault(name, tensor)
-    return {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params}
+    merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params}
+    for key in ("loss_scales", "skipped_iterations", "nan_iterations"):
+        if key in results[-1]:
+            merged[key] = results[-1][key]
+    return merged
 
 
 def assert_same_training(reference: dict, parallel: dict, rtol: float = 1e-5, weight_atol: float = 1e-5) -> None:
