@@ -73,10 +73,15 @@ class ModelConfig:
     """Epsilon of every LayerNorm."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of sharing the input embedding."""
+    attention_backend: Literal["sdpa", "local"] = "sdpa"
+    """'sdpa': torch's scaled_dot_product_attention (flash kernels on CPU and GPU, the fastest); 'local':
+    explicit q k^T, softmax and v matmuls (easy to read and modify; uses the fused softmax)."""
     masked_softmax_fusion: bool = True
-    """Use the fused scale+mask+softmax kernel where one applies (--no-masked-softmax-fusion disables)."""
+    """With --attention-backend local: the fused csrc scale+mask+softmax instead of torch.softmax."""
     bias_gelu_fusion: bool = True
-    """Use the fused bias+GELU kernel where one applies (--no-bias-gelu-fusion disables)."""
+    """Fuse the first MLP bias add into the GELU (csrc kernel, forward and backward)."""
+    cross_entropy_loss_fusion: bool = True
+    """Fused csrc cross entropy that never materializes the softmax (used at tensor-parallel size 1)."""
     recompute_granularity: Literal["full", "selective"] | None = None
     """Activation recomputation: 'full' recomputes whole layers, 'selective' only the attention core."""
     recompute_method: Literal["uniform", "block"] | None = None
@@ -314,6 +319,8 @@ class CheckpointConfig:
     """Save and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: float | None = None
     """Save and exit after this many minutes of training."""
+    exit_signal_handler: bool = True
+    """On SIGTERM or SIGUSR1 save a checkpoint (with --save) and exit cleanly (--no-exit-signal-handler: die)."""
 
     def validate(self) -> None:
         if self.save_interval is not None:
@@ -334,6 +341,10 @@ class LoggingConfig:
     """Write TensorBoard scalars here."""
     wandb_project: str | None = None
     """Also log to this Weights & Biases project (needs the wandb package)."""
+    wandb_exp_name: str | None = None
+    """Name of the Weights & Biases run (default: chosen by wandb)."""
+    log_memory: bool = True
+    """Add this rank's peak memory to the log line (--no-log-memory drops it)."""
 
     def validate(self) -> None:
         _require(self.log_interval > 0, f"--log-interval {self.log_interval} must be positive")
@@ -527,6 +538,8 @@ def _add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls
                 arg_group.add_argument(
                     "--no-" + f.name.replace("_", "-"), dest=dest, action="store_false", help=help_text
                 )
+                # Also accept the positive form, which some Megatron scripts pass explicitly.
+                arg_group.add_argument(flag_name(f.name), dest=dest, action="store_true", help=argparse.SUPPRESS)
             else:
                 arg_group.add_argument(flag_name(f.name), dest=dest, action="store_true", help=help_text)
             parser.set_defaults(**{dest: default})

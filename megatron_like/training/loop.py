@@ -26,10 +26,12 @@ from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import seed_everything
-from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
-from megatron_like.training.metrics import flops_per_token, format_log_line
+from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
+from megatron_like.training.signals import ExitConditions
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[Config, ParallelState, tuple[int, int, int]], tuple[Any, Any, Any]]
@@ -86,16 +88,6 @@ def build_model_chunks(config: Config, ps: ParallelState, model_provider: ModelP
 def main_loss(losses: dict[str, float]) -> float:
     """The loss a run reports: 'lm loss' (GPT), else 'loss' (other tasks' loss_func), else nan."""
     return losses.get("lm loss", losses.get("loss", float("nan")))
-
-
-def validation_line(iteration: int, stats: dict[str, float]) -> str:
-    """Megatron's validation line: every statistic's value, and the perplexity of each loss."""
-    parts = [f" validation loss at iteration {iteration}"]
-    for name, value in stats.items():
-        parts.append(f"{name} value: {value:.6E}")
-        if name.endswith("loss"):
-            parts.append(f"{name} PPL: {torch.tensor(value).exp().item():.6E}")
-    return " | ".join(parts) + " |"
 
 
 def average_losses(stats: list[dict[str, torch.Tensor]], ps: ParallelState) -> dict[str, float]:
@@ -193,7 +185,10 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters)
 
     iteration, consumed = 0, 0
-    if config.checkpoint.load:
+    if config.checkpoint.load and latest_iteration(config.checkpoint.load) is None:
+        # Megatron's rule, so that `--save D --load D` under `torchrun --max-restarts` starts and resumes.
+        print_rank(ps, f" > WARNING: --load {config.checkpoint.load} holds no checkpoint; starting from scratch")
+    elif config.checkpoint.load:
         # ZeRO-3 params hold no memory between uses: gather them to load into, keep this rank's shard.
         with gathered_parameters(model, write_back=True):
             iteration, consumed = load_checkpoint(config.checkpoint.load, config, ps, model, optimizer, scheduler)
@@ -205,7 +200,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     gbs = config.global_batch_size
     eval_runs = t.train_iters // log.eval_interval + 1
     num_samples = (t.train_iters * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
-    train_ds, valid_ds, _ = datasets_provider(config, ps, num_samples)
+    train_ds, valid_ds, test_ds = datasets_provider(config, ps, num_samples)
 
     def data_iterator(dataset: Any, consumed_samples: int) -> Any:
         loader = build_pretraining_data_loader(dataset, consumed_samples, t.micro_batch_size, ps.dp_rank,
@@ -219,7 +214,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     interval_skipped = interval_nan = 0
     vocab = padded_vocab_size or getattr(model[-1], "vocab_size", 0)
     flops = flops_per_token(config, vocab)
-    start_time = time.time()
+    logger = TrainingLogger(config, ps)
+    exit_conditions = ExitConditions(config.checkpoint, ps.device)  # preemption signals, time limit
     interval_start, interval_iters = time.perf_counter(), 0
     for chunk in model:
         chunk.train()
@@ -242,14 +238,12 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if iteration % log.log_interval == 0:
             elapsed = (time.perf_counter() - interval_start) / interval_iters
             tokens_per_second = gbs * config.model.seq_length / elapsed
-            print_rank(ps, format_log_line(
-                iteration=iteration, train_iters=t.train_iters, consumed_samples=consumed,
-                elapsed_ms=elapsed * 1000.0, tokens_per_second=tokens_per_second,
-                tflops_per_device=flops * tokens_per_second / ps.world_size / 1e12,
-                learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=gbs, losses=losses,
-                loss_scale=step.loss_scale, grad_norm=grad_norm, skipped_iterations=interval_skipped,
-                nan_iterations=interval_nan,
-            ), rank=-1)
+            logger.training(
+                iteration=iteration, consumed_samples=consumed, elapsed_ms=elapsed * 1000.0,
+                tokens_per_second=tokens_per_second, tflops_per_device=flops * tokens_per_second / ps.world_size / 1e12,
+                learning_rate=optimizer.param_groups[0]["lr"], losses=losses, loss_scale=step.loss_scale,
+                grad_norm=grad_norm, skipped_iterations=interval_skipped, nan_iterations=interval_nan,
+            )
             interval_start, interval_iters = time.perf_counter(), 0
             interval_skipped = interval_nan = 0
         if valid_iter is not None and log.eval_iters > 0 and iteration % log.eval_interval == 0:
@@ -257,17 +251,16 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
             if valid:
                 result.validation_losses.append(main_loss(valid))
                 result.validation_stats.append(valid)
-                print_rank(ps, validation_line(iteration, valid), rank=-1)
+                logger.evaluation(iteration, valid)
         ckpt = config.checkpoint
-        should_exit = (ckpt.exit_interval is not None and iteration % ckpt.exit_interval == 0) or (
-            ckpt.exit_duration_in_mins is not None and (time.time() - start_time) / 60 > ckpt.exit_duration_in_mins
-        )
+        exit_reason = exit_conditions.check(iteration)
+        should_exit = exit_reason is not None
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
             with gathered_parameters(model):
                 save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
         if should_exit:
-            print_rank(ps, f" > exiting at iteration {iteration}")
+            print_rank(ps, f" > exiting at iteration {iteration} ({exit_reason})")
             break
     else:
         if config.checkpoint.save and not (config.checkpoint.save_interval
@@ -276,4 +269,10 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                 save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
                                 consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
+        test_iter = data_iterator(test_ds, 0)
+        if test_iter is not None and log.eval_iters > 0:
+            logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),
+                              split="test")
+    exit_conditions.close()
+    logger.close()
     return result
