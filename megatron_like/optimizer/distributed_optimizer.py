@@ -200,6 +200,9 @@ class DistributedOptimizer:
         if state.get("dp_size", self.ps.dp_size) != self.ps.dp_size and self.sharded:
             raise ValueError(f"optimizer shard saved with data-parallel size {state['dp_size']}, this run has "
                              f"{self.ps.dp_size}: ZeRO shards cannot be loaded across dp sizes")
+        if self.sharded and state.get("dp_rank", self.ps.dp_rank) != self.ps.dp_rank:
+            raise ValueError(f"optimizer state of data-parallel rank {state['dp_rank']} offered to dp rank "
+                             f"{self.ps.dp_rank}: a ZeRO shard belongs to its rank (resume with --no-load-optim)")
         self.inner.load_state_dict(state["optimizer"])
         separate = [m for m, alias in zip(self.masters, self.master_is_param) if not alias]
         for master, saved in zip(separate, state.get("masters") or []):
