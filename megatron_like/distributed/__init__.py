@@ -2,6 +2,5 @@
 
 from megatron_like.distributed.buffers import Bucket, ParamAndGradBuffer
 from megatron_like.distributed.data_parallel import DataParallel, gathered_parameters
-from megatron_like.distributed.grad_sync import finish_grad_sync
 
-__all__ = ["Bucket", "DataParallel", "ParamAndGradBuffer", "finish_grad_sync", "gathered_parameters"]
+__all__ = ["Bucket", "DataParallel", "ParamAndGradBuffer", "gathered_parameters"]
