@@ -14,10 +14,14 @@ Two message streams, told apart by their tag, flow between neighbours:
 * ``BACKWARD_TAG``: activation gradients to the previous stage (``pp_neighbor(-1)``).
 
 Each stream is FIFO, and every schedule here produces and consumes a stream in the same micro-batch
-order, so a message needs no header. Sends are asynchronous: :meth:`PipelineP2P.communicate` posts the
-sends of the step just computed together with the receives of the next step in one
-``batch_isend_irecv``, waits only for the receives and keeps the sends (and their tensors) alive until
-they complete. A stage therefore never waits for its neighbour to *accept* data, only for data it needs.
+order, so a message needs no header.
+
+Sends are asynchronous: a stage never waits for its neighbour to *accept* data, only for data it needs.
+:meth:`PipelineP2P.post` posts a step's sends as one ``batch_isend_irecv`` and the receives of a later
+step as another, and returns a :class:`PendingRecv` to wait on when that step starts; sends (and their
+tensors) are kept until they complete. Posting receives early matters: gloo (like NCCL) moves the data
+only once the receiver has posted its receive, so a receive posted just before it is needed costs a
+round trip between the processes on every step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,19 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
     return (seq_length, micro_batch_size, hidden_size)
 
 
+class PendingRecv:
+    """Receives posted by :meth:`PipelineP2P.post`; :meth:`wait` returns ``(from_prev, from_next)``."""
+
+    def __init__(self, works: list[dist.Work], from_prev: torch.Tensor | None,
+                 from_next: torch.Tensor | None) -> None:
+        self.works, self.tensors = works, (from_prev, from_next)
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for work in self.works:
+            work.wait()
+        return self.tensors
+
+
 class PipelineP2P:
     """Sends and receives of one pipeline rank for one schedule run (a global batch).
 
@@ -53,54 +70,55 @@ class PipelineP2P:
     def __init__(self, ps: ParallelState, tensor_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.prev_rank, self.next_rank = ps.pp_neighbor(-1), ps.pp_neighbor(+1)
         self.tensor_shape, self.dtype, self.device = tuple(tensor_shape), dtype, ps.device
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending_sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
+        """Works of posted sends with the tensors they read (kept alive until the sends complete)."""
 
-    def communicate(
+    def post(
         self,
         send_next: torch.Tensor | None = None,
         send_prev: torch.Tensor | None = None,
         recv_prev: bool = False,
         recv_next: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Send activations forward / gradients backward and receive the next step's inputs.
+    ) -> PendingRecv:
+        """Start sending activations forward / gradients backward and start receiving.
 
         Args:
             send_next: hidden states ``[s, b, h]`` for the next stage, or None.
             send_prev: the gradient ``[s, b, h]`` of this stage's input for the previous stage, or None.
-            recv_prev: receive hidden states from the previous stage.
-            recv_next: receive the gradient of this stage's output from the next stage.
+            recv_prev: receive hidden states ``[s, b, h]`` from the previous stage.
+            recv_next: receive the gradient ``[s, b, h]`` of this stage's output from the next stage.
         Returns:
-            ``(from_prev, from_next)``: the received ``[s, b, h]`` tensors (None where not requested).
+            the posted receives. Sends and receives go in separate batches, so that waiting for a
+            receive never waits for a send (a coalescing backend returns one work per batch).
         """
-        ops: list[dist.P2POp] = []
-        for tensor, peer, tag in ((send_next, self.next_rank, FORWARD_TAG), (send_prev, self.prev_rank, BACKWARD_TAG)):
-            if tensor is not None:
-                tensor = self._checked(tensor.detach())
-                ops.append(dist.P2POp(dist.isend, tensor, peer, tag=tag))
-        n_sends = len(ops)
-        received: list[torch.Tensor | None] = []
-        for wanted, peer, tag in ((recv_prev, self.prev_rank, FORWARD_TAG), (recv_next, self.next_rank, BACKWARD_TAG)):
-            buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device) if wanted else None
-            received.append(buffer)
-            if buffer is not None:
-                ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=tag))
-        if ops:
-            works = dist.batch_isend_irecv(ops)
-            if len(works) == len(ops):
-                send_works, recv_works = works[:n_sends], works[n_sends:]
-            else:  # a coalescing backend (NCCL) returns one work for the whole batch
-                send_works, recv_works = [], works
-            self._pending_sends += [(work, op.tensor) for work, op in zip(send_works, ops)]
-            for work in recv_works:
-                work.wait()
-        self._pending_sends = [(w, t) for w, t in self._pending_sends if not w.is_completed()]
-        return received[0], received[1]
+        sends = [
+            dist.P2POp(dist.isend, self._checked(tensor.detach()), peer, tag=tag)
+            for tensor, peer, tag in ((send_next, self.next_rank, FORWARD_TAG),
+                                      (send_prev, self.prev_rank, BACKWARD_TAG))
+            if tensor is not None
+        ]
+        if sends:
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not all(x.is_completed() for x in w)]
+            self._pending_sends.append((dist.batch_isend_irecv(sends), [op.tensor for op in sends]))
+        from_prev = self._empty() if recv_prev else None
+        from_next = self._empty() if recv_next else None
+        recvs = [
+            dist.P2POp(dist.irecv, buffer, peer, tag=tag)
+            for buffer, peer, tag in ((from_prev, self.prev_rank, FORWARD_TAG),
+                                      (from_next, self.next_rank, BACKWARD_TAG))
+            if buffer is not None
+        ]
+        return PendingRecv(dist.batch_isend_irecv(recvs) if recvs else [], from_prev, from_next)
 
     def wait_for_sends(self) -> None:
         """Block until every send posted so far has completed (call at the end of a schedule)."""
-        for work, _ in self._pending_sends:
-            work.wait()
+        for works, _ in self._pending_sends:
+            for work in works:
+                work.wait()
         self._pending_sends = []
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
         if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:

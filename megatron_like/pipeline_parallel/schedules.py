@@ -24,9 +24,9 @@ The three schedules:
   ``pp``, which shrinks the bubble from ``(p - 1) / (m + p - 1)`` to ``(p - 1) / (v * m + p - 1)``.
 
 Both pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
-:func:`interleaved_steps`) run by one executor, :func:`run_pipeline_steps`: before each step it receives
-the step's input (activations from the previous stage for a forward, the output gradient from the next
-stage for a backward) in the same batched p2p call that sends the previous step's result (see p2p.py).
+:func:`interleaved_steps`) run by one executor, :func:`run_pipeline_steps`: a step waits for its input
+(activations from the previous stage for a forward, the output gradient from the next stage for a
+backward), computes, and sends its result without waiting for the neighbour to take it (see p2p.py).
 
 Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean
 loss over the global batch, and gradients accumulate over micro batches in the same order as without
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -44,8 +45,11 @@ import torch
 from torch import nn
 
 from megatron_like.config import ConfigError
-from megatron_like.pipeline_parallel.p2p import PipelineP2P, pipeline_tensor_shape
+from megatron_like.pipeline_parallel.p2p import PendingRecv, PipelineP2P, pipeline_tensor_shape
 from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, active_trace
+
+RECEIVE_AHEAD = 1
+"""Steps between posting a receive and the step that needs it (0: post right before; see p2p.py)."""
 
 LossStats = dict[str, torch.Tensor]
 ForwardStepFunc = Callable[[Iterator | None, nn.Module], tuple[torch.Tensor, Callable]]
@@ -194,19 +198,22 @@ def run_pipeline_steps(
     def is_last_chunk(chunk: int) -> bool:
         return ps.is_last_stage and chunk == vp - 1
 
-    def receive(step: Step | None, send_next: torch.Tensor | None = None,
-                send_prev: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Send the previous step's result and receive what ``step`` needs, in one batched exchange."""
+    def post(step: Step | None, send_next: torch.Tensor | None = None,
+             send_prev: torch.Tensor | None = None) -> PendingRecv:
+        """Send a finished step's result and post the receive of the input ``step`` will need."""
         recv_prev = step is not None and step.kind == "F" and not is_first_chunk(step.chunk)
         recv_next = step is not None and step.kind == "B" and not is_last_chunk(step.chunk)
-        from_prev, from_next = p2p.communicate(send_next, send_prev, recv_prev, recv_next)
-        return from_prev if recv_prev else from_next
+        return p2p.post(send_next, send_prev, recv_prev, recv_next)
 
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     stats: list[LossStats] = []
-    received = receive(steps[0] if steps else None)
+    # Receives are posted RECEIVE_AHEAD steps early: the input of step i + 1 is posted before step i
+    # computes, so it arrives while step i runs instead of costing a round trip after it (see p2p.py).
+    receives = deque(post(step) for step in steps[:RECEIVE_AHEAD + 1])
     for i, step in enumerate(steps):
+        from_prev, from_next = receives.popleft().wait()
+        received = from_prev if from_prev is not None else from_next
         key = (step.chunk, step.microbatch)
         send_next = send_prev = None
         with _span(trace, ps.pp_rank, run, step):
@@ -221,7 +228,8 @@ def run_pipeline_steps(
             else:
                 input_grad = backward_step(inputs.pop(key), outputs.pop(key), received)
                 send_prev = None if is_first_chunk(step.chunk) else input_grad
-        received = receive(steps[i + 1] if i + 1 < len(steps) else None, send_next, send_prev)
+        ahead = i + RECEIVE_AHEAD + 1
+        receives.append(post(steps[ahead] if ahead < len(steps) else None, send_next, send_prev))
     p2p.wait_for_sends()
     return stats
 

@@ -137,7 +137,7 @@ def test_p2p_shape_from_config_and_mismatch_message():
     assert pipeline_tensor_shape(32, 2, 64, tp_size=4) == (32, 2, 64)
     p2p = PipelineP2P(ParallelState.single_process(torch.device("cpu")), (32, 2, 64), torch.float32)
     with pytest.raises(ValueError, match=r"\(16, 2, 64\) torch.float32 tensor but the configured pipeline tensor"):
-        p2p.communicate(send_next=torch.zeros(16, 2, 64))
+        p2p.post(send_next=torch.zeros(16, 2, 64))
 
 
 def test_trace_helpers():

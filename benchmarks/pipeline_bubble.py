@@ -1,0 +1,202 @@
+"""Pipeline bubble: the measured idle fraction of each rank under 1F1B and interleaved 1F1B, against the
+theory ``(p - 1) / (v * m + p - 1)``.
+
+    python benchmarks/pipeline_bubble.py                          # sleep stages, p in {2, 4}, v in {1, 2}
+    python benchmarks/pipeline_bubble.py --work gpt --pp 2        # real GPT chunks (one core per rank)
+    python benchmarks/pipeline_bubble.py --trace-dir /tmp/traces  # also write Chrome traces
+
+Each layout runs the real schedules (``megatron_like.pipeline_parallel``) with gloo p2p on ``p``
+processes and records their trace. A rank's idle fraction is the share of the iteration's window (first
+step start to last step end over all ranks) it spent outside forward/backward steps: waiting for a
+neighbour, communicating, or done. The table shows the median iteration, the ratio measured / theory,
+and the measured window's excess over the theoretical one per step of a rank (communication and
+Python between steps, which the theory ignores; it weighs more when the bubble is small and v large).
+
+``--work sleep`` (default) gives every stage a forward of ``--forward-ms`` and a backward of twice that
+(divided among its ``v`` chunks) as sleeps, so the measurement isolates the schedule and its
+communication from CPU contention: this machine has 2 cores and the processes of p = 4 would otherwise
+steal each other's cycles. ``--work gpt`` runs GPT chunks (8 layers split over the stages), meaningful
+when every rank has its own core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_like.config import ParallelConfig, parse_config  # noqa: E402
+from megatron_like.model import chunk_layers  # noqa: E402
+from megatron_like.parallel_state import ParallelState  # noqa: E402
+from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func, schedules  # noqa: E402
+from megatron_like.pipeline_parallel.trace import TraceEvent, chrome_trace, idle_fractions, theoretical_bubble  # noqa: E402
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward take a fixed time (a stand-in for a stage's compute)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepChunk(nn.Module):
+    """A pipeline chunk ``[s, b, h] -> [s, b, h]`` with the attributes the schedules read."""
+
+    def __init__(self, ps: ParallelState, shape: tuple[int, int, int], forward_s: float, backward_s: float,
+                 pre_process: bool) -> None:
+        super().__init__()
+        self.ps, self.shape, self.pre_process = ps, shape, pre_process
+        self.config = SimpleNamespace(seq_length=shape[0], hidden_size=shape[2])
+        self.sequence_parallel = False
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.weight = nn.Parameter(torch.ones(()))
+        self.input_tensor: torch.Tensor | None = None
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        self.input_tensor = tensor
+
+    def forward(self) -> torch.Tensor:
+        x = torch.ones(self.shape) if self.pre_process else self.input_tensor
+        return _Sleep.apply(x * self.weight, self.forward_s, self.backward_s)
+
+
+def sleep_forward_step(data_iterator, chunk: SleepChunk):
+    next(data_iterator)
+    output = chunk()
+    return output, lambda out: (out.mean(), {"loss": out.mean().detach()})
+
+
+def build_sleep_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    forward_s = args.forward_ms / 1000 / vp
+    return [SleepChunk(ps, shape, forward_s, 2 * forward_s, ps.is_first_stage and c == 0) for c in range(vp)], \
+        sleep_forward_step, itertools.repeat(None)
+
+
+def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
+    import pretrain_gpt
+    from megatron_like.data.mock_dataset import MockGPTDataset
+
+    config = parse_config([
+        "--num-layers", str(args.gpt_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads", "8",
+        "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size), "--mock-data",
+        "--vocab-size", "1024", "--hidden-dropout", "0", "--attention-dropout", "0",
+    ])
+    chunks = [
+        pretrain_gpt.model_provider(config, ps, layers=chunk_layers(args.gpt_layers, ps.pp_size, ps.pp_rank, vp, c),
+                                    pre_process=ps.is_first_stage and c == 0,
+                                    post_process=ps.is_last_stage and c == vp - 1, padded_vocab_size=1024)
+        for c in range(vp)
+    ]
+    dataset = MockGPTDataset(10**6, args.seq_length, 1024, seed=1)
+    b = args.micro_batch_size
+    batches = ({"text": torch.stack([torch.from_numpy(dataset[i * b + j]["text"]) for j in range(b)])}
+               for i in itertools.count())
+    return chunks, pretrain_gpt.forward_step, batches
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]], args: argparse.Namespace,
+           results: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    if args.receive_ahead is not None:
+        schedules.RECEIVE_AHEAD = args.receive_ahead
+    ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
+    build = build_sleep_chunks if args.work == "sleep" else build_gpt_chunks
+    for vp, m in layouts:
+        chunks, forward_step_func, data = build(ps, vp, args)
+        schedule = get_forward_backward_func(ps.pp_size, vp)
+        measured, events = [], []  # (idle fraction per rank, window in seconds) of each timed iteration
+        for iteration in range(args.warmup + args.iterations):
+            trace = ScheduleTrace()
+            dist.barrier()
+            schedule(forward_step_func, data, chunks, m, micro_batch_size=args.micro_batch_size,
+                     seq_length=args.seq_length, trace=trace)
+            gathered: list[list[TraceEvent]] = [None] * world_size  # type: ignore[list-item]
+            dist.all_gather_object(gathered, trace.events)
+            if iteration >= args.warmup:
+                window = max(e.end for ev in gathered for e in ev) - min(e.start for ev in gathered for e in ev)
+                measured.append((idle_fractions(gathered), window))
+                events = gathered
+        if rank == 0:
+            measured.sort(key=lambda idle_window: statistics.mean(idle_window[0]))
+            results.put((world_size, vp, m, *measured[len(measured) // 2]))
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                with open(os.path.join(args.trace_dir, f"{args.work}-p{world_size}-v{vp}-m{m}.json"), "w") as f:
+                    json.dump(chrome_trace(events), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", choices=("sleep", "gpt"), default="sleep")
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes p")
+    parser.add_argument("--vp", type=int, nargs="+", default=[1, 2], help="virtual stages per rank v")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="micro batches m")
+    parser.add_argument("--forward-ms", type=float, default=100.0, help="sleep work: forward time of a stage")
+    parser.add_argument("--gpt-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--receive-ahead", type=int, default=None,
+                        help="override schedules.RECEIVE_AHEAD (0 posts each receive right before its step)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each layout's last iteration")
+    args = parser.parse_args(argv)
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for p in args.pp:
+        layouts = [(v, m) for v in args.vp for m in args.microbatches
+                   if (v == 1 or m % p == 0) and args.gpt_layers % (p * v) == 0]
+        results = ctx.Queue()
+        mp.start_processes(worker, args=(p, free_port(), layouts, args, results), nprocs=p,
+                           start_method="spawn")
+        rows += [results.get() for _ in layouts]
+
+    print(f"pipeline bubble, work={args.work}" + (f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep"
+          else "") + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
+    print(f"{'p':>2} {'v':>2} {'m':>3} | {'theory':>6} | {'measured':>8} {'min':>6} {'max':>6} | {'ratio':>5} | "
+          f"{'excess ms/step':>14}")
+    for p, v, m, idle, window in rows:
+        theory, mean = theoretical_bubble(p, v, m), statistics.mean(idle)
+        # The window the measured busy time would need with exactly the theoretical bubble; the rest is
+        # overhead (communication, Python between steps, other processes), spread over a rank's 2*v*m steps.
+        ideal_window = window * (1 - mean) / (1 - theory)
+        excess_ms = (window - ideal_window) / (2 * v * m) * 1000
+        print(f"{p:>2} {v:>2} {m:>3} | {theory:6.3f} | {mean:8.3f} {min(idle):6.3f} {max(idle):6.3f} | "
+              f"{mean / theory:5.2f} | {excess_ms:14.2f}")
+
+if __name__ == "__main__":
+    main()
