@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ModelConfig
+from megatron_like.kernels import fused_vocab_cross_entropy
 from megatron_like.model.transformer import (
     TransformerLayer,
     forward_layers,
@@ -93,6 +94,7 @@ class GPTModel(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.share_embeddings = not config.untie_embeddings_and_output_weights
         self.vocab_size = vocab_size
+        self.cross_entropy_fusion = config.cross_entropy_loss_fusion
         self.input_tensor: torch.Tensor | None = None
 
         if pre_process:
@@ -175,4 +177,9 @@ class GPTModel(nn.Module):
         logits = self.output_layer(hidden_states, weight=output_weight)  # (s, b, v / tp)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        return vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.ps.tp_group).transpose(0, 1)
+        labels = labels.transpose(0, 1)  # (s, b) like the logits
+        if self.cross_entropy_fusion and self.ps.tp_group is None:
+            loss = fused_vocab_cross_entropy(logits, labels)  # the csrc kernel keeps no softmax around
+        else:
+            loss = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
+        return loss.transpose(0, 1)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ModelConfig
+from megatron_like.kernels import bias_gelu, scaled_masked_softmax, scaled_upper_triang_masked_softmax
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
@@ -60,6 +61,7 @@ class SelfAttention(nn.Module):
         self.heads_per_rank = config.num_attention_heads // ps.tp_size
         self.head_dim = h // config.num_attention_heads
         self.attention_dropout = config.attention_dropout
+        self.backend, self.softmax_fusion = config.attention_backend, config.masked_softmax_fusion
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer = layer
         self.qkv = ColumnParallelLinear(
@@ -83,8 +85,27 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal)
+            if self.backend == "sdpa":
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal)
+            else:
+                context = self.local_attention(q, k, v, dropout_p)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """The attention core written out: ``[b, np, s, hd]`` q, k, v -> ``[b, np, s, hd]``."""
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = torch.matmul(q, k.transpose(-1, -2))  # (b, np, s, s)
+        if self.softmax_fusion and self.causal:
+            probs = scaled_upper_triang_masked_softmax(scores, scale)
+        elif self.softmax_fusion:
+            probs = scaled_masked_softmax(scores, None, scale)
+        else:
+            if self.causal:
+                s = scores.shape[-1]
+                future = torch.ones(s, s, dtype=torch.bool, device=scores.device).triu_(1)
+                scores = scores.masked_fill(future, float("-inf"))
+            probs = torch.softmax(scores * scale, dim=-1)
+        return torch.matmul(F.dropout(probs, p=dropout_p, training=dropout_p > 0), v)
 
     def cached_attention(self, qkv: torch.Tensor, inference_context) -> torch.Tensor:
         """Attention of new tokens over cached ones (generation): ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``.
@@ -117,9 +138,11 @@ class MLP(nn.Module):
                  sequence_parallel: bool, dtype: torch.dtype) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_size
+        self.bias_gelu_fusion = config.bias_gelu_fusion
         self.fc1 = ColumnParallelLinear(
             h, ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
             name=f"layers.{layer}.mlp.fc1", sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
+            skip_bias_add=config.bias_gelu_fusion,
         )
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.fc2 = RowParallelLinear(
@@ -128,6 +151,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias_gelu_fusion:  # fc1 left its bias out: one pass adds it and applies GELU
+            return self.fc2(bias_gelu(self.fc1(x), self.fc1.bias))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 

@@ -31,17 +31,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp_logits = logits.exp_()
         sum_exp = comm.all_reduce(exp_logits.sum(dim=-1), group)
         loss = sum_exp.log() - target_logit
-
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, outside, local_target)
+        # The softmax is exp_logits / sum_exp; dividing in backward, together with the grad_loss
+        # scaling, saves one pass over the [tokens, v / tp] buffer.
+        ctx.save_for_backward(exp_logits, sum_exp, outside, local_target)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, outside, local_target = ctx.saved_tensors
-        grad = softmax  # reuse the buffer: d loss / d logits = softmax - one_hot(target)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), (outside.float() - 1.0).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        exp_logits, sum_exp, outside, local_target = ctx.saved_tensors
+        # d loss / d logits = softmax - one_hot(target), scaled by grad_loss; reuses the saved buffer.
+        grad = exp_logits.mul_((grad_loss / sum_exp).unsqueeze(-1))
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), ((outside.float() - 1.0) * grad_loss).unsqueeze(-1))
         return grad, None, None
 
 

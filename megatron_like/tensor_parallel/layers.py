@@ -75,6 +75,7 @@ class ColumnParallelLinear(nn.Module):
     Input ``[s, b, input_size]`` (``[s / tp, b, input_size]`` with sequence parallelism: it is
     all-gathered first). Output ``[s, b, output_size / tp]``, or ``[s, b, output_size]`` with
     ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
+    ``skip_bias_add`` leaves the bias out of the output so the caller can fuse it into what follows.
     """
 
     def __init__(
@@ -90,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
+        skip_bias_add: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
@@ -98,6 +100,7 @@ class ColumnParallelLinear(nn.Module):
         if output_size % tp_size != 0:
             raise ValueError(f"{name}: output size {output_size} does not split over {tp_size} ranks")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.skip_bias_add = skip_bias_add
         self.input_size, self.output_size = input_size, output_size
         if skip_weight_param_allocation:
             self.weight = None
@@ -119,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, self.bias)
+        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
