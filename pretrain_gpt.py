@@ -38,12 +38,17 @@ def vocab_and_eod(config: Config) -> tuple[int, int | None]:
 
 def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_process: bool,
                    post_process: bool, padded_vocab_size: int) -> GPTModel:
-    """One GPT chunk holding ``layers`` (global indices) of this pipeline rank."""
-    return GPTModel(
+    """One GPT chunk holding ``layers`` (global indices) of this pipeline rank (fake-quantized with --qat)."""
+    model = GPTModel(
         config.model, ps, vocab_size=padded_vocab_size, seed=config.training.seed, layers=layers,
         pre_process=pre_process, post_process=post_process,
         sequence_parallel=config.parallel.sequence_parallel, dtype=DTYPES[config.params_dtype_name],
     )
+    if config.model.qat:
+        from megatron_like.quantization import insert_fake_quant
+
+        insert_fake_quant(model, ps)
+    return model
 
 
 def get_batch(data_iterator: Iterator | None, device: torch.device,

@@ -88,6 +88,10 @@ class ModelConfig:
     """With full recompute: 'uniform' checkpoints groups of layers, 'block' the first N layers per stage."""
     recompute_num_layers: int | None = None
     """With full recompute: layers per group ('uniform') or layers recomputed per stage ('block')."""
+    qat: bool = False
+    """Quantization-aware training: fake int8 quantization (per-channel weights, moving-average per-tensor
+    activations, straight-through gradients) in every transformer linear; export with
+    megatron_like.quantization.export."""
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
