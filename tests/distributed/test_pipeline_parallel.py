@@ -2,7 +2,8 @@
 equals the single-process run; the recorded schedule traces show the 1F1B order and its memory bound.
 
 To keep the suite fast, each process group runs several layouts one after the other (a bundle): two
-processes run pp=2 and pp=2 with 2 virtual stages, four processes run the rest. Every run trains three
+processes run pp=2 and pp=2 with 2 virtual stages, four processes run the rest (with tp, sequence
+parallelism, dp, and the distributed optimizer with overlapped gradient reduction). Every run trains three
 steps and evaluates once (the forward-only schedule) on an 8-layer model.
 """
 
@@ -33,6 +34,8 @@ BUNDLES = {
         "tp2-pp2-sp": [TP, "2", PP, "2", SP],
         "dp2-pp2": [PP, "2"],
         "tp2-pp2-vp2-sp": [TP, "2", PP, "2", VP, "2", SP],
+        # gradient hooks of the overlapped, sharded data-parallel reduction fire inside the interleaved backward
+        "dp2-pp2-vp2-zero1-overlap": [PP, "2", VP, "2", "--use-distributed-optimizer", "--overlap-grad-reduce"],
     },
 }
 CASES = [(world_size, name) for world_size, bundle in BUNDLES.items() for name in bundle]
