@@ -1,0 +1,131 @@
+"""Activation memory of GPT training, per pipeline rank: what backward needs kept from forward.
+
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", §4) count,
+per transformer layer and micro batch of ``s`` tokens, ``b`` samples, hidden ``h``, ``a`` heads, with
+2-byte activations and 1-byte dropout masks: ``s b h (34 + 5 a s / h)`` bytes. We keep their terms
+apart so the element size ``e`` (2 for bf16/fp16, 4 for fp32) and each kind of parallelism apply to the
+right ones (units of ``s b h`` unless said)::
+
+    kept whole on each tp rank (split by tp only with sequence parallelism):
+        LayerNorm inputs 2e, QKV input e, MLP input e, two dropout masks 2       -> 4e + 2
+    split by tp (each rank holds heads / tp, ffn / tp):
+        Q, K, V 3e, attention output e, GELU input 4e, GELU output 4e            -> 12e
+    attention core, per a s^2 b, split by tp:
+        softmax output e, its dropout mask 1, dropout output e                   -> 2e + 1
+
+Recomputation removes terms: ``selective`` keeps Q, K, V and re-runs the core (the ``a s^2 b`` terms
+vanish); ``full`` keeps only each checkpointed group's input (``e s b h``, split by tp with sequence
+parallelism) and re-creates one group's activations at a time during backward.
+
+Pipeline schedules decide how many micro batches are alive on a rank: 1F1B keeps ``pp - p`` of them
+on rank ``p`` (its warmup plus one); the interleaved schedule keeps ``2 (pp - p - 1) + (vp - 1) pp + 1``
+model-chunk micro batches, each holding ``layers / (pp vp)`` layers.
+
+The first stage adds the embedding output (and its dropout mask), the last stage the final LayerNorm
+input, the logits (e) and the cross entropy's fp32 exponentials ``[s, b, v / tp]``, alive for one micro
+batch and freed before the layers' backward starts. Recomputation needs workspace during backward: one
+re-run attention core (selective) or one re-created group of layers (full); the larger of the two
+transient amounts is added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_like.config import Config
+
+
+@dataclass
+class ActivationBytes:
+    """Activation bytes of one pipeline rank at its peak (the start of its first steady backward)."""
+
+    per_layer: float
+    """Kept for backward by one layer for one micro batch (after recomputation)."""
+    layers_alive: float
+    """Layer-micro-batches whose activations are kept at once (schedule and recompute)."""
+    stage_extra: float
+    """Kept by the first stage's embedding for every micro batch alive."""
+    transient: float
+    """The larger of the last stage's logits and cross entropy buffers (one micro batch, freed before the
+    layers' backward) and the backward workspace (a recomputed attention core or layer group)."""
+
+    @property
+    def total(self) -> float:
+        return self.per_layer * self.layers_alive + self.stage_extra + self.transient
+
+
+def element_bytes(config: Config) -> int:
+    """Bytes of one activation element: 2 with --fp16/--bf16, else 4."""
+    return 2 if (config.precision.fp16 or config.precision.bf16) else 4
+
+
+def layer_activation_bytes(config: Config, recompute: str | None = None, device: str = "cuda") -> float:
+    """Bytes one transformer layer keeps for one micro batch on one tp rank (no full recompute).
+
+    ``device`` matters for ``--attention-backend sdpa``: CUDA runs flash kernels (dropout included) that
+    keep no ``[s, s]`` tensor; on CPU, attention dropout makes torch take its math path, which keeps the
+    fp32 softmax, fp32 dropout mask and fp32 dropout output, and fp32 copies of q and k (and v for 16-bit).
+    """
+    m, p = config.model, config.parallel
+    s, b, h, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp, e = p.tensor_model_parallel_size, element_bytes(config)
+    ffn_ratio = m.ffn_size / h
+    masks = 2 if m.hidden_dropout > 0 else 0
+    replicated = (4 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
+    split = (4 * e + 2 * e * ffn_ratio) * s * b * h / tp
+    core = 0.0
+    attention_dropout = m.attention_dropout > 0
+    if recompute != "selective":
+        if m.attention_backend == "local":
+            core = (e + (1 + e if attention_dropout else 0)) * a * s * s * b / tp
+        elif device == "cpu" and attention_dropout:
+            core = 12 * a * s * s * b / tp
+            split += (8 if e == 4 else 12) * s * b * h / tp
+        else:
+            core = 4 * a * s * b / tp  # flash attention's log-sum-exp
+    return replicated + split + core
+
+
+def microbatches_alive(config: Config, pp_rank: int) -> float:
+    """Model-chunk micro batches whose activations rank ``pp_rank`` keeps at once, times the chunk's share
+    of the stage's layers (so the result multiplies a whole stage's layers)."""
+    pp, vp, m = config.parallel.pipeline_model_parallel_size, config.virtual_pipeline_size, config.num_microbatches
+    if vp == 1:
+        return float(min(pp - pp_rank, m))
+    chunks = min(2 * (pp - pp_rank - 1) + (vp - 1) * pp + 1, m * vp)
+    return chunks / vp
+
+
+def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, device: str = "cuda") -> ActivationBytes:
+    """Peak activation bytes of a rank of pipeline stage ``pp_rank`` on ``device`` (module docstring)."""
+    m, p = config.model, config.parallel
+    s, b, h = m.seq_length, config.training.micro_batch_size, m.hidden_size
+    tp, pp, e = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, element_bytes(config)
+    sp_div = tp if p.sequence_parallel else 1
+    stage_layers = m.num_layers // pp
+    alive = microbatches_alive(config, pp_rank)
+    granularity = m.recompute_granularity
+    full_layer = layer_activation_bytes(config, granularity, device)
+    if granularity == "full":
+        n = m.recompute_num_layers
+        group_input = e * s * b * h / sp_div
+        chunk_layers = stage_layers // config.virtual_pipeline_size
+        if m.recompute_method == "block":
+            kept_per_chunk = min(n, chunk_layers) * group_input + max(chunk_layers - n, 0) * full_layer
+            per_layer = kept_per_chunk / chunk_layers
+            workspace = full_layer
+        else:  # uniform: only the input of every group of n layers
+            per_layer = group_input / n
+            workspace = n * full_layer
+    elif granularity == "selective":
+        per_layer = full_layer
+        workspace = layer_activation_bytes(config, None, device) - full_layer  # one re-run attention core
+    else:
+        per_layer, workspace = full_layer, 0.0
+    embedding = 0.0
+    if pp_rank == 0:
+        embedding = (e + (1 if m.hidden_dropout > 0 else 0)) * s * b * h / sp_div * alive
+    logits = 0.0
+    if pp_rank == pp - 1:
+        logits = e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp
+    return ActivationBytes(per_layer, alive * stage_layers, embedding, max(logits, workspace))

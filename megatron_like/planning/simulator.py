@@ -1,0 +1,193 @@
+"""The scale simulator: memory and speed of every rank of a run, computed on one CPU without training.
+
+For each distinct pipeline role (first stage, a middle stage, last stage) it builds that rank's real
+model chunks with *meta* tensors (shapes, no memory) under PyTorch's fake process group of the full
+world size, so parameter counts come from the model code itself, tensor-parallel splits included.
+Per pipeline rank it then adds:
+
+* weights, gradients and optimizer state from the ZeRO table of ``megatron_like.distributed.memory``
+  (fp32 ``main_grad``; fp32 masters when params are 16-bit; optimizer state in host memory with
+  ``--optimizer-cpu-offload``);
+* activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
+  schedule, recomputation, sequence parallelism);
+* FLOPs per iteration (DESIGN.md §8, plus the recomputed forward), the pipeline bubble
+  ``(pp - 1) / (vp m)`` and a throughput estimate at an assumed fraction of the device's peak.
+
+Every data-parallel and tensor-parallel rank of a stage holds the same amounts (up to padding), so the
+table has one row per pipeline rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_like.config import Config
+from megatron_like.distributed.memory import theoretical_state_bytes
+from megatron_like.model import GPTModel, chunk_layers
+from megatron_like.parallel_state import ParallelState
+from megatron_like.planning.activations import ActivationBytes, activation_bytes
+from megatron_like.training.metrics import flops_per_token
+
+GIB = 2**30
+PARAM_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class RankPlan:
+    """Memory of one pipeline rank (every tp and dp rank of the stage holds the same)."""
+
+    pp_rank: int
+    params: int
+    """Parameters this rank holds (its tp slices of its stage's layers)."""
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    """Optimizer state on the device (0 with CPU offload; see host_bytes)."""
+    host_bytes: float
+    """Optimizer state in host memory (CPU offload)."""
+    activations: ActivationBytes
+
+    @property
+    def device_bytes(self) -> float:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activations.total
+
+
+@dataclass
+class Plan:
+    """What a run would need: per-rank memory and the speed estimate."""
+
+    config: Config
+    ranks: list[RankPlan]
+    total_params: int
+    """Parameters of the whole model (the tied embedding counted once)."""
+    flops_per_iteration: float
+    bubble: float
+    """Fraction of an iteration each device idles in the pipeline fill and drain."""
+    iteration_seconds: float
+    tokens_per_second: float
+
+    @property
+    def max_device_bytes(self) -> float:
+        return max(r.device_bytes for r in self.ranks)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` in which this process is ``rank`` (collectives do nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("the simulator needs a process without a real process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> int:
+    """Parameters held by tp rank 0 of pipeline stage ``pp_rank``: its chunks built on the meta device."""
+    p = config.parallel
+    tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    world = config.world_size
+    rank = pp_rank * (world // pp)  # tp rank 0, dp rank 0 of the stage
+    parallel = copy.deepcopy(p)
+    parallel.distributed_backend = None
+    with fake_world(world, rank):
+        ps = ParallelState.initialize(parallel, world)
+        ps.device = torch.device("meta")
+        total = 0
+        with torch.device("meta"):
+            for v in range(vp):
+                chunk = GPTModel(config.model, ps, vocab_size=padded_vocab_size, seed=0,
+                                 layers=chunk_layers(config.model.num_layers, pp, pp_rank, vp, v),
+                                 pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
+                                 sequence_parallel=p.sequence_parallel, dtype=torch.float32)
+                total += sum(param.numel() for param in chunk.parameters())
+    assert tp == ps.tp_size
+    return total
+
+
+def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.0,
+             efficiency: float = 0.45, device: str = "cuda") -> Plan:
+    """Memory of every pipeline rank and the speed estimate of ``config`` (see the module docstring).
+
+    ``device_tflops`` is one device's peak for the run's dtype; ``efficiency`` the fraction of it the
+    matmuls reach outside the pipeline bubble; ``device`` ("cuda" or "cpu") selects the attention kernels
+    whose activations are counted.
+    """
+    p, m = config.parallel, config.model
+    pp, dp = p.pipeline_model_parallel_size, config.data_parallel_size
+    roles = sorted({0, min(1, pp - 1), pp - 1})
+    counts = {r: count_stage_params(config, padded_vocab_size, r) for r in roles}
+    param_bytes = PARAM_BYTES[config.params_dtype_name]
+    separate_master = param_bytes != 4 or p.optimizer_cpu_offload
+    ranks = []
+    for pp_rank in range(pp):
+        params = counts[pp_rank if pp_rank in counts else min(1, pp - 1)]
+        state = theoretical_state_bytes(params, dp, p.zero_stage, param_bytes, separate_master)
+        offloaded = p.optimizer_cpu_offload
+        ranks.append(RankPlan(
+            pp_rank=pp_rank, params=params, weight_bytes=state.params, grad_bytes=state.grads,
+            optimizer_bytes=0 if offloaded else state.optimizer, host_bytes=state.optimizer if offloaded else 0,
+            activations=activation_bytes(config, pp_rank, padded_vocab_size, device),
+        ))
+    single = copy.deepcopy(config)
+    single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
+    single.parallel.num_layers_per_virtual_pipeline_stage = None
+    single.world_size = 1
+    total_params = count_stage_params(single, padded_vocab_size, 0)
+    tokens = config.global_batch_size * m.seq_length
+    flops = flops_per_token(config, padded_vocab_size) * tokens
+    layer_fraction = 1.0 - padded_vocab_size * m.hidden_size * 6.0 / flops_per_token(config, padded_vocab_size)
+    if m.recompute_granularity == "full":
+        flops += flops * layer_fraction / 3.0  # one more forward of the layers (2 of the 6 N)
+    elif m.recompute_granularity == "selective":
+        flops += 4.0 * m.num_layers * m.seq_length * m.seq_length * m.hidden_size * config.global_batch_size
+    vp, micro = config.virtual_pipeline_size, config.num_microbatches
+    bubble = (pp - 1) / (vp * micro + pp - 1)
+    compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)
+    iteration_seconds = compute_seconds / (1.0 - bubble)
+    return Plan(config, ranks, total_params, flops, bubble, iteration_seconds, tokens / iteration_seconds)
+
+
+def format_plan(plan: Plan, device_memory_gib: float) -> str:
+    """The per-rank table and summary lines ``tools/plan.py`` prints."""
+    c, p = plan.config, plan.config.parallel
+    lines = [
+        f" > plan: world {c.world_size} = tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size}"
+        f" x dp {c.data_parallel_size} (vp {c.virtual_pipeline_size}), zero stage {p.zero_stage}, "
+        f"{c.params_dtype_name}, sequence parallel {p.sequence_parallel}, recompute "
+        f"{c.model.recompute_granularity or 'none'}, micro batches {c.num_microbatches} x "
+        f"{c.training.micro_batch_size}",
+        f" > model parameters: {plan.total_params / 1e9:.3f} B",
+        "",
+        f"{'pp rank':>7} | {'params (M)':>10} | {'weights':>8} | {'grads':>8} | {'optimizer':>9} | "
+        f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'total GiB':>9}",
+        "-" * 106,
+    ]
+    for r in plan.ranks:
+        a = r.activations
+        lines.append(
+            f"{r.pp_rank:>7} | {r.params / 1e6:>10.1f} | {r.weight_bytes / GIB:>8.2f} | {r.grad_bytes / GIB:>8.2f} | "
+            f"{r.optimizer_bytes / GIB:>9.2f} | {a.per_layer / GIB:>9.3f} | {a.layers_alive:>12.1f} | "
+            f"{a.total / GIB:>11.2f} | {r.device_bytes / GIB:>9.2f}"
+        )
+    host = max(r.host_bytes for r in plan.ranks)
+    lines += [
+        "-" * 106,
+        "(every tp and dp rank of a pipeline stage holds the same; GiB per device)",
+        f" > FLOPs per iteration: {plan.flops_per_iteration:.3e} | pipeline bubble: {plan.bubble:.1%} | "
+        f"estimated iteration time: {plan.iteration_seconds:.2f} s | estimated throughput: "
+        f"{plan.tokens_per_second:,.0f} tokens/s",
+    ]
+    if host:
+        lines.append(f" > host memory for offloaded optimizer state per device: {host / GIB:.2f} GiB")
+    lines.append(f"max memory per device: {plan.max_device_bytes / GIB:.2f} GiB (limit {device_memory_gib:g} GiB)")
+    return "\n".join(lines)

@@ -1,0 +1,105 @@
+"""The shipped launch scripts under ``DRY_RUN=1`` (the scale simulator) and ``tools/plot_logs.py``."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+from PIL import Image
+
+from megatron_like.training.logging import evaluation_line
+from megatron_like.training.metrics import format_log_line
+from tests.e2e.cli import ROOT
+
+SCRIPTS = ["pretrain_gpt_345M.sh", "pretrain_gpt_1.3B.sh", "pretrain_gpt_6.7B.sh", "pretrain_gpt_175B.sh",
+           "pretrain_gpt_tiny_cpu.sh"]
+MAX_MEMORY = re.compile(r"^max memory per device: ([0-9.]+) GiB", re.MULTILINE)
+ROW = re.compile(r"^\s+(\d+) \|", re.MULTILINE)
+
+
+def test_175b_dry_run_prints_the_per_rank_plan_within_80_gib_in_under_a_minute():
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
+    start = time.monotonic()
+    result = subprocess.run(["bash", "scripts/pretrain_gpt_175B.sh"], cwd=ROOT, env=env, text=True,
+                            capture_output=True, timeout=120)
+    assert time.monotonic() - start < 60
+    assert result.returncode == 0, result.stdout + result.stderr
+    memory = MAX_MEMORY.search(result.stdout)
+    assert memory and 10 < float(memory.group(1)) < 80, result.stdout
+    assert ROW.findall(result.stdout) == [str(i) for i in range(16)], "one row per pipeline rank"
+    assert "model parameters: 174.6" in result.stdout
+
+
+def test_every_launch_script_plans_within_80_gib(capsys):
+    """Each script's own flags (captured with PYTHON=echo) through tools/plan.py, in this process."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import plan as plan_tool
+    finally:
+        sys.path.pop(0)
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": "echo"}
+    for name in SCRIPTS:
+        echoed = subprocess.run(["bash", os.path.join("scripts", name)], cwd=ROOT, env=env, text=True,
+                                capture_output=True, check=True).stdout
+        args = shlex.split(echoed)
+        assert args[0] == "tools/plan.py", echoed
+        assert plan_tool.main(args[1:]) == 0, name
+        memory = MAX_MEMORY.search(capsys.readouterr().out)
+        assert memory and 0 < float(memory.group(1)) < 80, name
+
+
+def _write_log(path: str) -> None:
+    """A log as pretrain_gpt.py prints it, with launcher noise around the lines that matter."""
+    lines = ["W1122 torchrun noise", " > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 1"]
+    for it in range(10, 210, 10):
+        lines.append(format_log_line(
+            iteration=it, train_iters=200, consumed_samples=16 * it, elapsed_ms=800.0, tokens_per_second=2000.0 + it,
+            tflops_per_device=0.01, learning_rate=1e-3, global_batch_size=16, losses={"lm loss": 8.0 - it / 50},
+            loss_scale=1.0, grad_norm=1.0, skipped_iterations=0, nan_iterations=0) + " max memory (GiB): 0.3 |")
+        if it % 100 == 0:
+            lines.append(evaluation_line(f"iteration {it}", {"lm loss": 7.5 - it / 50}))
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _write_tensorboard(directory: str) -> None:
+    from megatron_like.config import Config
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.training.logging import TrainingLogger
+
+    config = Config()
+    config.logging.tensorboard_dir = directory
+    logger = TrainingLogger(config, ParallelState.single_process())
+    for it in range(1, 21):
+        logger.training(iteration=it, consumed_samples=2 * it, elapsed_ms=10.0, tokens_per_second=100.0 * it,
+                        tflops_per_device=0.0, learning_rate=1e-4, losses={"lm loss": 6.0 - it / 10}, loss_scale=1.0,
+                        grad_norm=0.5, skipped_iterations=0, nan_iterations=0)
+    logger.evaluation(20, {"lm loss": 4.5})
+    logger.close()
+
+
+@pytest.mark.parametrize("source", ["log", "tensorboard"])
+def test_plot_logs_writes_a_png_of_the_curves(tmp_path, source, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import plot_logs
+    finally:
+        sys.path.pop(0)
+    path = str(tmp_path / ("train.log" if source == "log" else "tensorboard"))
+    if source == "log":
+        _write_log(path)
+        expected = "20 train loss points, 20 throughput points, 2 validation loss points"
+    else:
+        _write_tensorboard(path)
+        expected = "20 train loss points, 20 throughput points, 1 validation loss points"
+    output = str(tmp_path / "curves.png")
+    assert plot_logs.main([path, "--output", output]) == 0
+    assert expected in capsys.readouterr().out
+    with Image.open(output) as image:
+        assert image.size == (900, 700)
+        assert len(image.getcolors(maxcolors=100000)) > 3, "the image is blank"

@@ -1,0 +1,96 @@
+"""The scale simulator against reality: measured peak memory of CPU runs, the schedules' in-flight micro
+batches, GPT-3 175B's parameter count, and the exit code of ``tools/plan.py``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_like.config import parse_config
+from megatron_like.pipeline_parallel.schedules import interleaved_steps, one_f_one_b_steps
+from megatron_like.planning.activations import microbatches_alive
+from megatron_like.planning.simulator import GIB, plan_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
+         "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "2", "--mock-data",
+         "--vocab-size", "1024", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0.1",
+         "--attention-dropout", "0.1", "--num-workers", "0"]
+GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-heads", "96", "--seq-length", "2048",
+             "--max-position-embeddings", "2048", "--micro-batch-size", "1", "--global-batch-size", "1536",
+             "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16",
+             "--num-layers-per-virtual-pipeline-stage", "3", "--sequence-parallel", "--use-distributed-optimizer",
+             "--bf16", "--recompute-granularity", "selective", "--vocab-size", "50257", "--mock-data"]
+
+
+def measured_peak_bytes(flags: list[str]) -> int:
+    """Peak bytes of tensors alive at once during a whole single-process run (the profiler's allocation log)."""
+    import pretrain_gpt
+    from megatron_like.training import pretrain
+
+    config = parse_config(flags, world_size=1)
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        pretrain(config, provider, pretrain_gpt.forward_step, pretrain_gpt.datasets_provider, padded_vocab_size=vocab)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    alive = peak = 0
+    for event in events:
+        alive += event.nbytes()
+        peak = max(peak, alive)
+    return peak
+
+
+@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective"]], ids=["no-recompute", "selective"])
+def test_simulated_memory_is_within_10_percent_of_the_measured_peak(extra):
+    flags = SMALL + extra
+    config = parse_config(flags, world_size=1)
+    planned = plan_run(config, config.padded_vocab_size(1024), device="cpu").max_device_bytes
+    measured = measured_peak_bytes(flags)
+    assert abs(planned - measured) / measured < 0.10, f"planned {planned / 2**20:.1f} MiB, measured " \
+                                                       f"{measured / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("pp,vp,m", [(4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4)])
+def test_microbatches_alive_is_the_schedules_peak_of_outstanding_forwards(pp, vp, m):
+    layers = 2 * pp * vp
+    flags = ["--num-layers", str(layers), "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "1",
+             "--global-batch-size", str(m), "--mock-data", "--vocab-size", "64"]
+    if vp > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(layers // (pp * vp))]
+    config = parse_config(flags, world_size=pp)
+    for pp_rank in range(pp):
+        steps = one_f_one_b_steps(pp, pp_rank, m) if vp == 1 else interleaved_steps(pp, pp_rank, m, vp)
+        outstanding = peak = 0
+        for step in steps:
+            outstanding += 1 if step.kind == "F" else -1
+            peak = max(peak, outstanding)
+        assert microbatches_alive(config, pp_rank) * vp == peak, f"pp rank {pp_rank}"
+
+
+def test_gpt3_175b_plan_counts_175b_parameters_and_fits_80_gib():
+    config = parse_config(GPT3_175B, world_size=1024)
+    plan = plan_run(config, config.padded_vocab_size(50257))
+    assert abs(plan.total_params - 175e9) / 175e9 < 0.01
+    assert len(plan.ranks) == 16
+    assert 10 < plan.max_device_bytes / GIB < 80
+    # Each stage holds 1/128 of the layers' parameters (tp 8 x pp 16), the first and last a vocabulary slice more.
+    assert plan.ranks[0].params > plan.ranks[1].params == plan.ranks[8].params
+    assert plan.ranks[0].activations.layers_alive > plan.ranks[15].activations.layers_alive
+
+
+def test_plan_tool_exits_nonzero_when_a_rank_exceeds_the_device_memory(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import plan as plan_tool
+    finally:
+        sys.path.pop(0)
+    assert plan_tool.main(GPT3_175B + ["--world-size", "1024", "--device-memory-gib", "80"]) == 0
+    assert "max memory per device:" in capsys.readouterr().out
+    assert plan_tool.main(GPT3_175B + ["--world-size", "1024", "--device-memory-gib", "8"]) == 1
+    assert "error: pipeline rank 0 needs" in capsys.readouterr().err
