@@ -233,7 +233,8 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
         optimizer.load_state_dict(own["optimizer"] if optimizer_is_sharded(optimizer) else state["optimizer"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
-    if config.checkpoint.load_rng:
-        # A rank beyond the saved data-parallel size (dp grew) takes dp rank 0's generators.
+    if config.checkpoint.load_rng and "rng" in own:
+        # A rank beyond the saved data-parallel size (dp grew) takes dp rank 0's generators; a resharded
+        # checkpoint has none (the run keeps its freshly seeded ones).
         set_rng_state(own["rng"])
     return state["iteration"], state["consumed_samples"]
