@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
 DEMO_DIR=${DEMO_DIR:-runs/demo}
-TRAIN_ITERS=${TRAIN_ITERS:-200}
+TRAIN_ITERS=${TRAIN_ITERS:-300}
 PY=.venv/bin/python
 mkdir -p "$DEMO_DIR"
 export OMP_NUM_THREADS=1  # 4 processes share 2 cores
@@ -38,3 +38,8 @@ rm -rf "$DEMO_DIR/checkpoints"
 .venv/bin/torchrun --standalone --nproc_per_node=4 pretrain_gpt.py \
     "${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${TOKENIZER[@]}" "${LOGGING[@]}" \
     --save "$DEMO_DIR/checkpoints"
+
+echo "== generating text from the checkpoint (tensor parallel 2; the loader merges the 2 pipeline stages)"
+.venv/bin/torchrun --standalone --nproc_per_node=2 tools/generate.py --load "$DEMO_DIR/checkpoints" \
+    --tensor-model-parallel-size 2 --prompt "Return a new" --prompt "This module provides" \
+    --prompt "If the file" --max-new-tokens 40 --top-k 40 --temperature 0.8 --seed 1234
