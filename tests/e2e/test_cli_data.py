@@ -9,7 +9,9 @@ import sys
 
 from tests.e2e.cli import ROOT, logged_losses, torchrun
 
-VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)")
+VALIDATION = re.compile(
+    r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)"
+)
 
 
 def run_tool(*args: str) -> None:
