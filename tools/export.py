@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from megatron_like.config import ModelConfig  # noqa: E402
 from megatron_like.inference.loading import load_inference_model  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
@@ -41,8 +42,11 @@ class LogitsProgram(nn.Module):
 
 def export_program(load: str, iteration: int | None = None):
     """(torch.export program, loaded InferenceModel) of the checkpoint under ``load``."""
+    # The fused C++ kernels are opaque to torch.export: trace the pure-PyTorch paths (same math).
+    plain = {"bias_gelu_fusion": False, "masked_softmax_fusion": False, "attention_backend": "sdpa"}
+    plain = {k: v for k, v in plain.items() if hasattr(ModelConfig(), k)}
     loaded = load_inference_model(load, ParallelState.single_process(torch.device("cpu")), iteration=iteration,
-                                  with_tokenizer=True)
+                                  with_tokenizer=True, model_overrides=plain)
     program = LogitsProgram(loaded.model[0], loaded.vocab_size).eval()
     max_positions = loaded.config.model.max_positions
     batch = torch.export.Dim("batch", min=1, max=1024)

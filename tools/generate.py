@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_like.config import ConfigError  # noqa: E402
 from megatron_like.inference import cli  # noqa: E402
 from megatron_like.inference.generation import GenerationParams, generate  # noqa: E402
+from megatron_like.inference.packed_linear import ensure_packed  # noqa: E402
 
 
 def build_parser():
@@ -46,6 +47,8 @@ def build_parser():
     g.add_argument("--early-stopping", choices=["true", "false", "never"], default="false",
                    help="Beam search stopping rule (Hugging Face's).")
     g.add_argument("--no-kv-cache", action="store_true", help="Recompute every position each step (slow).")
+    g.add_argument("--no-weight-prepacking", action="store_true",
+                   help="Multiply with F.linear instead of weights prepacked for the batch (saves one weight copy).")
     g.add_argument("--json", action="store_true", help="Print one JSON object per generated sequence.")
     g.add_argument("--output", help="Write the output to this file instead of stdout.")
     parser.set_defaults(**{"training.micro_batch_size": 8})
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for start in starts:
             batch = prompts[start:start + batch_size]
+            if not args.no_weight_prepacking:
+                ensure_packed(loaded.model, len(batch) * max(params.num_beams, params.num_return_sequences))
             try:
                 results = generate(loaded.model, batch, params, eod=loaded.eod, vocab_size=loaded.vocab_size)
             except ValueError as error:

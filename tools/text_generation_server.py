@@ -38,6 +38,7 @@ from megatron_like.config import ConfigError  # noqa: E402
 from megatron_like.inference import cli  # noqa: E402
 from megatron_like.inference.generation import GenerationParams, generate  # noqa: E402
 from megatron_like.inference.loading import InferenceModel  # noqa: E402
+from megatron_like.inference.packed_linear import ensure_packed  # noqa: E402
 
 FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "beam_width", "random_seed",
           "min_tokens_to_generate", "add_BOS")
@@ -149,6 +150,8 @@ def broadcast_request(request: dict | None) -> dict | None:
 
 def run_request(loaded: InferenceModel, request: dict) -> list:
     params = GenerationParams(**request["params"])
+    if request.get("prepack", True):
+        ensure_packed(loaded.model, len(request["ids"]) * max(params.num_beams, params.num_return_sequences))
     return generate(loaded.model, request["ids"], params, eod=loaded.eod, vocab_size=loaded.vocab_size)
 
 

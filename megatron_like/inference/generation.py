@@ -211,6 +211,14 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
     return logits
 
 
+def _shared_random_seed(ps) -> int:
+    """A fresh seed, the same on every rank of the model (all must sample identically)."""
+    seed = torch.tensor([torch.seed() % 2**62], dtype=torch.long)
+    if ps.model_parallel_group is not None:
+        comm.broadcast(seed, ps.rank_of(0, ps.dp_rank, 0), ps.model_parallel_group)
+    return int(seed)
+
+
 def _forbid_eod(logits: torch.Tensor, eod: int | None, step: int, min_new_tokens: int) -> torch.Tensor:
     if eod is not None and step < min_new_tokens:
         logits = logits.clone()
@@ -231,7 +239,7 @@ def _greedy_or_sample(runner: ModelRunner, prompts: Sequence[Sequence[int]], par
     generator = None
     if params.do_sample:
         generator = torch.Generator(device=runner.ps.device)
-        generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        generator.manual_seed(params.seed if params.seed is not None else _shared_random_seed(runner.ps))
     done = torch.zeros(b, dtype=torch.bool, device=runner.ps.device)
     lengths = torch.full((b,), params.max_new_tokens, dtype=torch.long)
     scores = torch.zeros(b, dtype=torch.float32, device=runner.ps.device)

@@ -56,8 +56,12 @@ def tokenizer_overrides(saved: DataConfig, cli: DataConfig | None) -> DataConfig
 
 def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConfig | None = None,
                          iteration: int | None = None, dtype: torch.dtype = torch.float32,
-                         with_tokenizer: bool = True) -> InferenceModel:
-    """Build this rank's GPT chunk in ``ps``'s layout and fill it from the checkpoint under ``load_dir``."""
+                         with_tokenizer: bool = True, model_overrides: dict | None = None) -> InferenceModel:
+    """Build this rank's GPT chunk in ``ps``'s layout and fill it from the checkpoint under ``load_dir``.
+
+    ``model_overrides``: ModelConfig fields to change that do not touch the weights (e.g.
+    ``{"bias_gelu_fusion": False}`` for tracing without the C++ kernels).
+    """
     saved, full = load_full_state(load_dir, iteration)
     config = copy.deepcopy(saved)
     config.parallel.tensor_model_parallel_size = ps.tp_size
@@ -66,6 +70,10 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
     config.parallel.sequence_parallel = False
     config.world_size = ps.world_size
     config.data = tokenizer_overrides(saved.data, cli_data)
+    for name, value in (model_overrides or {}).items():
+        if not hasattr(config.model, name):
+            raise ValueError(f"model_overrides: {name!r} is not a ModelConfig field")
+        setattr(config.model, name, value)
     m = config.model
     if m.num_attention_heads % ps.tp_size or m.num_layers % ps.pp_size:
         raise ValueError(
@@ -80,13 +88,13 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
         vocab_size = min(m.vocab_size, saved_rows)
     else:
         vocab_size = saved_rows
-    padded = max(config.padded_vocab_size(vocab_size), 0)
+    eod = tokenizer.eod if tokenizer is not None else None
+    if eod is not None and eod >= vocab_size:  # e.g. the null tokenizer's eod just past --vocab-size
+        vocab_size = min(eod + 1, saved_rows)
+    padded = config.padded_vocab_size(vocab_size)
     layers = chunk_layers(m.num_layers, ps.pp_size, ps.pp_rank)
     chunk = GPTModel(m, ps, vocab_size=padded, seed=config.training.seed, layers=layers,
                      pre_process=ps.is_first_stage, post_process=ps.is_last_stage, dtype=dtype)
     load_into_model([chunk], {k: v.to(dtype) for k, v in full.items()})
     chunk.eval()
-    eod = tokenizer.eod if tokenizer is not None else None
-    if eod is not None and eod >= vocab_size:
-        vocab_size = min(eod + 1, padded)
     return InferenceModel([chunk], config, tokenizer, vocab_size, eod)

@@ -220,3 +220,29 @@ def test_export_program_runs_without_our_code_and_equals_the_model(checkpoint, t
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), our_logits(checkpoint, ids), rtol=1e-5, atol=1e-5)
     meta = json.loads(Path(tmp_path / "exported" / "export_config.json").read_text())
     assert meta["vocab_size"] == VOCAB
+
+
+def test_text_prompts_through_the_checkpoint_tokenizer_match_hf(tmp_path):
+    """A GPT-2-vocabulary model from HF with its BPE files: from-hf records the tokenizer, generate.py
+    tokenizes the prompt and prints text equal to HF's greedy continuation."""
+    from megatron_like.data.tokenizer import default_gpt2_files
+
+    hf_path = tmp_path / "hf"
+    cfg = transformers.GPT2Config(vocab_size=50257, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                  initializer_range=0.2)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(cfg).eval()
+    hf.save_pretrained(hf_path)
+    vocab, merges = default_gpt2_files()
+    (hf_path / "vocab.json").write_bytes(Path(vocab).read_bytes())
+    (hf_path / "merges.txt").write_bytes(Path(merges).read_bytes())
+    run_tool("convert_hf.py", "from-hf", "--load", str(hf_path), "--save", str(tmp_path / "ckpt"))
+    out = run_tool("generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "Hello world", "--max-new-tokens",
+                   "6", "--greedy", "--json").stdout
+    record = json.loads(out.splitlines()[-1])
+    expected = hf.generate(torch.tensor([[15496, 995]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                           max_new_tokens=6, do_sample=False, pad_token_id=50256)[0, 2:].tolist()
+    assert record["token_ids"][: len(expected)] == expected[: len(record["token_ids"])]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_path)
+    shown = [t for t in record["token_ids"] if t != 50256]
+    assert record["text"] == tokenizer.decode(shown)

@@ -155,3 +155,31 @@ def test_invalid_requests_are_refused():
         generate(model, [[1]], GenerationParams(do_sample=True, top_p=0.0), vocab_size=60)
     with pytest.raises(ValueError, match="num_return_sequences"):
         generate(model, [[1]], GenerationParams(num_beams=2, num_return_sequences=3), vocab_size=60)
+
+
+def test_prepacked_weights_give_the_same_logits_and_tokens_and_leave_training_alone():
+    from megatron_like.inference.packed_linear import available, ensure_packed, unpack_linears
+
+    if not available():
+        pytest.skip("this torch build has no MKL packed GEMM")
+    model = tiny_model(vocab=60, std=0.3)
+    keys = sorted(model.state_dict())
+    ids, pos = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3)[None].expand(2, -1)
+    step_ids, step_pos = torch.tensor([[7], [8], [9]]), torch.tensor([[0], [1], [2]])  # 3 rows: the packed path
+    with torch.no_grad():
+        plain, plain_step = model(ids, pos), model(step_ids, step_pos)
+    params = GenerationParams(max_new_tokens=8)
+    expected = generate(model, PROMPTS, params, vocab_size=60)
+    ensure_packed([model], len(PROMPTS))
+    assert "forward" in model.output_layer.__dict__ and sorted(model.state_dict()) == keys
+    with torch.no_grad():
+        torch.testing.assert_close(model(step_ids, step_pos), plain_step, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids, pos), plain, rtol=1e-5, atol=1e-5)  # 6 rows: falls back
+    packed = generate(model, PROMPTS, params, vocab_size=60)
+    assert [g[0].token_ids for g in packed] == [g[0].token_ids for g in expected]
+    assert [g[0].score for g in packed] == pytest.approx([g[0].score for g in expected], rel=1e-5)
+    model.train()  # training mode (and autograd) use the class forward
+    model(ids, pos, labels=ids).mean().backward()
+    assert model.embedding.word_embeddings.weight.grad is not None
+    unpack_linears([model])
+    assert "forward" not in model.output_layer.__dict__
