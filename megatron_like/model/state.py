@@ -76,23 +76,34 @@ def partition_dim(name: str) -> int | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def to_global_names(chunk_state: dict[str, torch.Tensor], layers: range) -> dict[str, torch.Tensor]:
+def to_global_names(chunk_state: dict[str, torch.Tensor], layers: Sequence[int]) -> dict[str, torch.Tensor]:
     """Rename a chunk's ``layers.<i>.`` (index in the chunk) to ``layers.<layers[i]>.`` (global index)."""
     return {_LAYER.sub(lambda m: f"layers.{layers[int(m.group(1))]}.", k): v for k, v in chunk_state.items()}
+
+
+def _dim_or_replicated(name: str) -> int | None:
+    """partition_dim, with entries the plain model does not have (e.g. QAT quantizer buffers) replicated."""
+    try:
+        return partition_dim(name)
+    except KeyError:
+        return None
 
 
 def merge_tp(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Full tensors from the state dicts of all tp ranks (in tp-rank order) of one chunk."""
     merged = {}
     for name, first in shards[0].items():
-        dim = partition_dim(name)
+        if _pattern(name) not in partition_rules() and any(not torch.equal(s[name], first) for s in shards[1:]):
+            raise CheckpointLoadError(f"{name!r} is not a GPT parameter and differs between tp ranks: "
+                                      "cannot tell how to merge it")
+        dim = _dim_or_replicated(name)
         merged[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
     return merged
 
 
 def split_tp(tensor: torch.Tensor, name: str, tp_size: int, tp_rank: int) -> torch.Tensor:
     """Tp rank ``tp_rank``'s part of the full parameter ``name``."""
-    dim = partition_dim(name)
+    dim = _dim_or_replicated(name)
     if dim is None or tp_size == 1:
         return tensor
     if tensor.shape[dim] % tp_size:
@@ -228,7 +239,13 @@ def load_into_model(model: Sequence[GPTModel], full: dict[str, torch.Tensor]) ->
         state = chunk_state(full, chunk.config, layers=layers, pre_process=chunk.pre_process,
                             post_process=chunk.post_process, tp_size=ps.tp_size, tp_rank=ps.tp_rank,
                             padded_vocab_size=chunk.vocab_size)
-        chunk.load_state_dict(state)
+        own = chunk.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise CheckpointLoadError(f"the checkpoint lacks {', '.join(missing[:5])}"
+                                      f"{' ...' if len(missing) > 5 else ''} (a different model?)")
+        # Extra entries (e.g. quantizer statistics of a QAT run) are not part of the plain model.
+        chunk.load_state_dict({k: v for k, v in state.items() if k in own})
 
 
 def gather_full_state(model: Sequence[nn.Module]) -> dict[str, torch.Tensor]:

@@ -18,9 +18,11 @@ from megatron_like.parallel_state import ParallelState
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_model(vocab: int = 64, padded: int = 64, seed: int = 3, layers: int = 2, std: float = 0.02) -> GPTModel:
+def tiny_model(vocab: int = 64, padded: int = 64, seed: int = 3, layers: int = 2, std: float = 0.02,
+               untie: bool = False) -> GPTModel:
     config = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, seq_length=64,
-                         hidden_dropout=0.0, attention_dropout=0.0, vocab_size=vocab, init_method_std=std)
+                         hidden_dropout=0.0, attention_dropout=0.0, vocab_size=vocab, init_method_std=std,
+                         untie_embeddings_and_output_weights=untie)
     return GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=padded, seed=seed).eval()
 
 
@@ -29,9 +31,29 @@ def hf_model(model: GPTModel, vocab: int, eod: int | None = None):
     cfg = hf_config(model.config, vocab, eod)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)).eval()
     missing, unexpected = hf.load_state_dict(to_hf_state(gather_full_state([model]), model.config, vocab), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg["tie_word_embeddings"] else set())
     hf.tie_weights()
     return hf
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_hf_conversion_keeps_logits_both_ways(untie):
+    from megatron_like.inference.hf_gpt2 import from_hf_state, model_config_from_hf
+
+    model, vocab = tiny_model(vocab=50, std=0.2, untie=untie), 50
+    hf = hf_model(model, vocab, eod=7)
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids, torch.arange(12)[None].expand(2, -1))[..., :vocab]
+        torch.testing.assert_close(hf(ids).logits, ours, rtol=1e-5, atol=1e-5)
+    config = model_config_from_hf(hf.config.to_dict())
+    assert config.untie_embeddings_and_output_weights == untie and config.ffn_size == 128
+    back = from_hf_state(hf.state_dict(), config, padded_vocab_size=64)
+    full = gather_full_state([model])
+    assert set(back) == set(full)
+    for name, tensor in full.items():
+        torch.testing.assert_close(back[name][: vocab if "word" in name or "output" in name else None],
+                                   tensor[: vocab if "word" in name or "output" in name else None], rtol=0, atol=0)
 
 
 def naive_greedy(model: GPTModel, prompt: list[int], n: int, vocab: int) -> list[int]:
