@@ -246,3 +246,11 @@ def test_text_prompts_through_the_checkpoint_tokenizer_match_hf(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_path)
     shown = [t for t in record["token_ids"] if t != 50256]
     assert record["text"] == tokenizer.decode(shown)
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello world"}\n\n{"text": "A second, longer prompt"}\n')
+    run_tool("generate.py", "--load", str(tmp_path / "ckpt"), "--prompts-file", str(prompts), "--max-new-tokens", "6",
+             "--greedy", "--json", "--micro-batch-size", "1", "--output", str(tmp_path / "out.jsonl"))
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["Hello world", "A second, longer prompt"]
+    assert records[0]["token_ids"] == record["token_ids"]
