@@ -22,12 +22,23 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 
 
+def _tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing (tensors are fake: no data pointers)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is None:
+        return False
+    return compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
+
+
 def cpu_supported(*tensors: torch.Tensor | None) -> bool:
     """Return whether the C++ kernels can take these tensors: on CPU, one supported float dtype.
 
     Non-contiguous inputs are accepted: the wrappers make them contiguous, since one copy still
-    beats the unfused fallback.
+    beats the unfused fallback. Under ``torch.compile`` / ``torch.export`` tracing tensors have no data
+    pointers: the traced graph gets the PyTorch fallback, which the compiler fuses itself.
     """
+    if _tracing():
+        return False
     dtype = None
     for t in tensors:
         if t is None:
@@ -57,6 +68,8 @@ CUDA_TWINS = ("scaled_masked_softmax", "scaled_upper_triang_masked_softmax", "la
 
 def cuda_supported(*tensors: torch.Tensor | None) -> bool:
     """Return whether the CUDA twins can take these tensors: on one CUDA device, float32/bf16/fp16."""
+    if _tracing():
+        return False
     devices = {t.device for t in tensors if t is not None}
     dtypes = {t.dtype for t in tensors if t is not None}
     return (
