@@ -192,8 +192,14 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
                 return self.reply(411, {"message": "Content-Length is required"})
             if length < 0 or length > limits.max_body_bytes:
                 self.close_connection = True
-                return self.reply(400, {"message": f"request body of {length} bytes exceeds the limit of "
-                                                   f"{limits.max_body_bytes}"})
+                if 0 < length <= 16 * limits.max_body_bytes:  # drain it so the client reads our answer
+                    while length > 0:
+                        chunk = self.rfile.read(min(length, 1 << 16))
+                        if not chunk:
+                            break
+                        length -= len(chunk)
+                return self.reply(400, {"message": f"request body exceeds the limit of {limits.max_body_bytes} "
+                                                   "bytes"})
             raw = self.rfile.read(length)
             try:
                 prompts, ids, params = parse_request(raw, loaded, limits)

@@ -131,7 +131,7 @@ def test_server_under_tp2_answers_valid_requests_and_refuses_invalid_ones(checkp
     server = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          "tools/text_generation_server.py", "--load", checkpoint, "--tensor-model-parallel-size", "2",
-         "--port", str(port), "--max-prompts", "4"],
+         "--port", str(port), "--max-prompts", "4", "--max-prompt-tokens", "24"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 90
@@ -158,7 +158,9 @@ def test_server_under_tp2_answers_valid_requests_and_refuses_invalid_ones(checkp
             json.dumps({"prompts": ["3 4"], "tokens_to_generate": 4, "top_p": 1.5}).encode(),
             json.dumps({"prompts": ["3 4"], "tokens_to_generate": 4, "beam_width": 0}).encode(),
             json.dumps({"prompts": ["3 4"] * 5, "tokens_to_generate": 4}).encode(),
-            json.dumps({"prompts": [" ".join(["7"] * 40)], "tokens_to_generate": 4}).encode(),
+            json.dumps({"prompts": [" ".join(["7"] * 40)], "tokens_to_generate": 4}).encode(),  # > 24 tokens
+            json.dumps({"prompts": [" ".join(["7"] * 20)], "tokens_to_generate": 20}).encode(),  # > 32 positions
+            json.dumps({"prompts": ["3 4"], "tokens_to_generate": 4, "pad": "x" * (2 << 20)}).encode(),  # > 1 MiB
             json.dumps({"prompts": ["3 999"], "tokens_to_generate": 4}).encode(),
             json.dumps({"prompts": ["3 4"], "tokens_to_generate": 4, "bogus": 1}).encode(),
         ]
