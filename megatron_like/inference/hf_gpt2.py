@@ -72,7 +72,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     hidden = cfg["n_embd"]
     return ModelConfig(
         num_layers=cfg["n_layer"], hidden_size=hidden, num_attention_heads=cfg["n_head"],
-        ffn_hidden_size=cfg.get("n_inner") or 4 * hidden, seq_length=cfg["n_positions"],
+        ffn_hidden_size=None if cfg.get("n_inner") in (None, 4 * hidden) else cfg["n_inner"],
+        seq_length=cfg["n_positions"],
         max_position_embeddings=cfg["n_positions"], vocab_size=cfg["vocab_size"],
         hidden_dropout=cfg.get("resid_pdrop", 0.1), attention_dropout=cfg.get("attn_pdrop", 0.1),
         init_method_std=cfg.get("initializer_range", 0.02), layernorm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
