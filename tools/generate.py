@@ -5,10 +5,11 @@
         --prompt "The history of" --top-p 0.9 --temperature 0.8 --seed 1
     python tools/generate.py --load mock_ckpt --prompt-ids "1 2 3" --max-new-tokens 8 --greedy --json
 
-Prompts come from ``--prompt`` (repeatable), ``--prompt-ids`` (space-separated token ids, repeatable;
-the only way for a mock-data checkpoint without a tokenizer) or ``--prompts-file`` (one prompt per
-line, or jsonl with a ``prompt`` or ``text`` field). The tokenizer is the checkpoint's unless
-``--tokenizer-type`` (with ``--vocab-file/--merge-file`` or ``--tokenizer-model``) is given.
+Prompts come from ``--prompt`` (repeatable), ``--prompt-ids`` (space-separated token ids, repeatable)
+or ``--prompts-file`` (one prompt per line, or jsonl with a ``prompt`` or ``text`` field). A mock-data
+checkpoint has no tokenizer: its prompts (``--prompt-ids`` or the file's) are token ids and the output
+is ids. The tokenizer is the checkpoint's unless ``--tokenizer-type`` (with ``--vocab-file/--merge-file``
+or ``--tokenizer-model``) is given.
 Output: per prompt and returned sequence, the prompt and its continuation as text, or with ``--json``
 one JSON object per line: ``prompt``, ``text`` (the continuation), ``token_ids`` (the generated ids
 only, ending with end-of-text when generation stopped there), ``sequence`` and ``score``. Sampling uses
@@ -70,15 +71,19 @@ def read_prompts(args, tokenizer) -> tuple[list[str], list[list[int]]]:
                     if not isinstance(line, str):
                         raise ValueError(f"{args.prompts_file}: a jsonl line needs a 'prompt' or 'text' string")
                 texts.append(line)
-    if texts and tokenizer is None:
+    if args.prompt and tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer (mock data): pass --prompt-ids '1 2 3' or "
                          "--tokenizer-type with its files")
-    ids = [tokenizer.tokenize(t) for t in texts]
-    for raw in args.prompt_ids:
+    from_file = texts[len(args.prompt):]
+    if tokenizer is not None:
+        ids = [tokenizer.tokenize(t) for t in texts]
+    else:  # without a tokenizer, the file's prompts are token ids too
+        texts, ids = [], []
+    for raw in (from_file if tokenizer is None else []) + list(args.prompt_ids):
         try:
             ids.append([int(x) for x in raw.replace(",", " ").split()])
         except ValueError:
-            raise ValueError(f"--prompt-ids {raw!r} must be space-separated integers") from None
+            raise ValueError(f"prompt {raw!r} must be space-separated token ids (no tokenizer)") from None
         texts.append(raw)
     if not ids:
         raise ValueError("no prompt: pass --prompt, --prompt-ids or --prompts-file")
