@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
 from megatron_like.data.classification_dataset import EpochDataset, SentencePairDataset, read_sentence_pairs
 from megatron_like.model.classification import GPTClassificationModel, load_pretrained_gpt
@@ -171,6 +172,7 @@ def finetune(config: Config, task: ClassificationConfig, ps: ParallelState | Non
 def main(argv: list[str] | None = None) -> None:
     config, task = run_or_exit(lambda: build_config(argv))
     finetune(config, task)
+    comm.shutdown()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from megatron_like import collectives as comm
 from megatron_like.config import Config, parse_config_or_exit
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
@@ -90,7 +91,6 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
             MockGPTDataset(n, seq_length, config.model.vocab_size, seed + split) if n > 0 else None
             for split, n in enumerate(num_samples)
         )
-    from megatron_like import collectives as comm
     from megatron_like.data.gpt_dataset import build_train_valid_test_datasets
 
     return build_train_valid_test_datasets(
@@ -100,23 +100,13 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config_or_exit(argv)
-    check_supported_or_exit(config)
+    config = parse_config_or_exit(argv, extra_check=check_supported)
     vocab_size, eod = vocab_and_eod(config)
     padded_vocab_size = config.padded_vocab_size(vocab_size)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
     pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
-
-
-def check_supported_or_exit(config: Config) -> None:
-    from megatron_like.config import ConfigError
-
-    try:
-        check_supported(config)
-    except ConfigError as error:
-        print(f"error: {error}", flush=True)
-        raise SystemExit(2) from None
+    comm.shutdown()
 
 
 if __name__ == "__main__":

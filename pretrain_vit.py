@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
 from megatron_like.data.classification_dataset import EpochDataset
 from megatron_like.data.image_folder import (
@@ -138,6 +139,7 @@ def train_vit(config: Config, vision: VisionConfig, ps: ParallelState | None = N
 def main(argv: list[str] | None = None) -> None:
     config, vision = run_or_exit(lambda: build_config(argv))
     train_vit(config, vision)
+    comm.shutdown()
 
 
 if __name__ == "__main__":

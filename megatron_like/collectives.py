@@ -79,6 +79,17 @@ def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch
     return tensor
 
 
+def shutdown() -> None:
+    """Leave the process group cleanly at the end of a run: wait for every rank, then free the backend.
+
+    Exiting with a live gloo group lets its threads be torn down by the interpreter's exit, which can
+    abort a process ("terminate called without an active exception") after all its work was done.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def barrier(group: Group = None) -> None:
     """Wait for every rank of ``group`` (the whole world when None and distributed)."""
     if dist.is_initialized():

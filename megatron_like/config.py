@@ -591,10 +591,16 @@ def parse_config(argv: list[str] | None = None, world_size: int | None = None) -
     return config_from_namespace(namespace, world_size).validate()
 
 
-def parse_config_or_exit(argv: list[str] | None = None) -> Config:
-    """Like parse_config, but a ConfigError prints one line and exits with status 2 (no traceback)."""
+def parse_config_or_exit(
+    argv: list[str] | None = None, extra_check: typing.Callable[[Config], None] | None = None
+) -> Config:
+    """Like parse_config (then ``extra_check``, e.g. an entry point's own rules), but a ConfigError prints
+    one line and exits with status 2 (no traceback)."""
     try:
-        return parse_config(argv)
+        config = parse_config(argv)
+        if extra_check is not None:
+            extra_check(config)
+        return config
     except ConfigError as error:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
