@@ -46,14 +46,7 @@ def checkpoint(tmp_path_factory) -> str:
                    "--micro-batch-size", "2", "--global-batch-size", "4", "--init-method-std", "0.2",
                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                    "--save", str(root / "ckpt")]
-    try:
-        torchrun(4, train_flags)
-    except AssertionError as error:
-        # A rank was seen aborting at exit ("terminate called without an active exception") after a
-        # complete save: that teardown race belongs to the training entry point, not to these tools.
-        if not (root / "ckpt" / "latest_checkpointed_iteration.txt").exists():
-            raise
-        print(f"training exited non-zero after a complete save:\n{str(error)[-400:]}")
+    torchrun(4, train_flags)
     return str(root / "ckpt")
 
 
