@@ -60,7 +60,8 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
     """loss[n] = logsumexp(logits[n, v]) - logits[n, target[n]]; 0 where target == ignore_index."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                inplace_backward: bool = False) -> torch.Tensor:
         n, v = logits.shape
         targets = targets.to(torch.int64).contiguous()
         module = load("vocab_cross_entropy") if cpu_supported(logits) and targets.device.type == "cpu" else None
@@ -84,19 +85,21 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
         else:
             loss, row_max, log_sum = _cross_entropy_forward_torch(logits, targets, ignore_index)
         ctx.save_for_backward(logits, targets, row_max, log_sum)
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.inplace_backward = ignore_index, inplace_backward
         return loss
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, targets, row_max, log_sum = ctx.saved_tensors
         module = load("vocab_cross_entropy") if cpu_supported(logits) and grad_loss.device.type == "cpu" else None
         if module is None:
             grad = _cross_entropy_backward_torch(logits, targets, row_max, log_sum, grad_loss, ctx.ignore_index)
-            return grad, None, None
+            return grad, None, None, None
         n, v = logits.shape
         grad_loss = grad_loss.to(log_sum.dtype).contiguous()
-        grad = torch.empty_like(logits)
+        # The kernel reads each logit once, just before writing its gradient, so it may write over the
+        # logits: no fresh [n, v] buffer (for a 50k vocabulary, hundreds of MB and their page faults).
+        grad = logits if ctx.inplace_backward else torch.empty_like(logits)
         module.backward(
             logits.data_ptr(),
             targets.data_ptr(),
@@ -110,16 +113,19 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
             dtype_code(logits.dtype),
             threads(),
         )
-        return grad, None, None
+        return grad, None, None, None
 
 
-def fused_vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+def fused_vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                              inplace_backward: bool = False) -> torch.Tensor:
     """Return the per-token cross entropy of ``logits`` against ``targets``.
 
     Args:
         logits: ``[..., v]`` unnormalized scores (float32, bfloat16, float16 or float64).
         targets: integer class ids shaped like ``logits.shape[:-1]``.
         ignore_index: target value whose loss and gradient are 0 (as in ``F.cross_entropy``).
+        inplace_backward: write the gradient over ``logits`` (saves a ``[n, v]`` buffer); only when
+            nothing else reads the logits after this loss's backward.
 
     Returns:
         loss shaped like ``targets``: float32 (float64 for float64 logits).
@@ -129,5 +135,5 @@ def fused_vocab_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignor
             f"fused_vocab_cross_entropy: targets {tuple(targets.shape)} do not match logits {tuple(logits.shape)}"
         )
     vocab = logits.shape[-1]
-    loss = FusedVocabCrossEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index)
+    loss = FusedVocabCrossEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1), ignore_index, inplace_backward)
     return loss.view(targets.shape)

@@ -179,7 +179,8 @@ class GPTModel(nn.Module):
             return logits.transpose(0, 1).contiguous()
         labels = labels.transpose(0, 1)  # (s, b) like the logits
         if self.cross_entropy_fusion and self.ps.tp_group is None:
-            loss = fused_vocab_cross_entropy(logits, labels)  # the csrc kernel keeps no softmax around
+            # The csrc kernel keeps no softmax around and writes its gradient over the logits.
+            loss = fused_vocab_cross_entropy(logits, labels, inplace_backward=True)
         else:
             loss = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
         return loss.transpose(0, 1)
