@@ -33,6 +33,24 @@ def pick_device_and_backend(requested_backend: str | None = None) -> tuple[torch
     return torch.device("cpu"), "gloo"
 
 
+def _restart_safe_store(timeout: datetime.timedelta) -> dict:
+    """``store``, ``rank`` and ``world_size`` for ``init_process_group`` under ``torchrun --max-restarts``.
+
+    Restarted workers reach the same agent store as the attempt that failed; on torch 2.13 gloo then
+    finds the dead ranks' addresses and the restart hangs. Keys prefixed by the restart count keep each
+    attempt apart. Outside torchelastic (no TORCHELASTIC_RESTART_COUNT) torch's env:// default is used.
+    """
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        return {}
+    # The torchrun agent hosts the store unless it says otherwise; then rank 0 does (as torch's env://).
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timeout,
+                          is_master=not hosted_by_agent and os.environ["RANK"] == "0")
+    return {"store": dist.PrefixStore(f"megatron_like/restart_{restart}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
 @dataclass
 class ParallelState:
     """Sizes, this process's coordinates and the process groups of one run.
@@ -129,10 +147,8 @@ class ParallelState:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(
-                backend=backend,
-                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes),
-            )
+            timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+            dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
         state = cls(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp), rank=dist.get_rank())
         state.device, state.backend = device, backend
         state._build_groups()

@@ -215,7 +215,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     vocab = padded_vocab_size or getattr(model[-1], "vocab_size", 0)
     flops = flops_per_token(config, vocab)
     logger = TrainingLogger(config, ps)
-    exit_conditions = ExitConditions(config.checkpoint, ps.device)  # preemption signals, time limit
+    # Preemption signals, time limit, and a watchdog against hung collectives.
+    exit_conditions = ExitConditions(config.checkpoint, ps.device, config.parallel.distributed_timeout_minutes)
     interval_start, interval_iters = time.perf_counter(), 0
     for chunk in model:
         chunk.train()
@@ -269,6 +270,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                 save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
                                 consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
+        exit_conditions.beat()
         test_iter = data_iterator(test_ds, 0)
         if test_iter is not None and log.eval_iters > 0:
             logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),

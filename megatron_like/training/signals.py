@@ -7,11 +7,20 @@ the signal flag and the wall-clock limit of *every* rank with one all-reduce, so
 iteration and leave together (a rank that stopped alone would leave the others waiting in a collective).
 A second signal while the first is pending restores the default action and re-raises it: the process
 dies at once, as the user asked twice.
+
+Hangs: every collective times out after ``--distributed-timeout-minutes``, but a gloo collective whose
+peer was stopped (not killed) was seen to wait past its timeout now and then. A watchdog thread is the
+backstop: when no iteration completes for the timeout plus a few seconds, it prints every thread's stack
+and exits the process with status 1, so a job never hangs silently.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import signal
+import sys
+import threading
 import time
 from types import FrameType
 
@@ -22,17 +31,64 @@ from megatron_like import collectives as comm
 from megatron_like.config import CheckpointConfig
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+WATCHDOG_GRACE_SECONDS = 5.0
+
+
+class HangWatchdog:
+    """Exits the process (status 1, with all stacks) when :meth:`beat` is not called for ``limit_seconds``.
+
+    It watches only while the function that created it (``pretrain``) is still on its thread's stack, so
+    an exception that leaves training (say, in a notebook) never lets it kill the process later.
+    """
+
+    def __init__(self, limit_seconds: float, owner: FrameType) -> None:
+        self.limit = limit_seconds
+        self.owner_code, self.owner_thread = owner.f_code, threading.get_ident()
+        self.last_beat = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        """Record progress."""
+        self.last_beat = time.monotonic()
+
+    def _owner_running(self) -> bool:
+        frame = sys._current_frames().get(self.owner_thread)
+        while frame is not None:
+            if frame.f_code is self.owner_code:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(self.limit / 10.0, 5.0)):
+            if not self._owner_running():
+                return
+            stalled = time.monotonic() - self.last_beat
+            if stalled > self.limit:
+                print(f"error: no training progress for {stalled:.0f} s (--distributed-timeout-minutes plus "
+                      f"{WATCHDOG_GRACE_SECONDS:g} s): a peer rank died or hangs; exiting", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                os._exit(1)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class ExitConditions:
     """Decides, identically on every rank, whether training stops after the current iteration."""
 
-    def __init__(self, checkpoint: CheckpointConfig, device: torch.device | None = None) -> None:
+    def __init__(self, checkpoint: CheckpointConfig, device: torch.device | None = None,
+                 timeout_minutes: float | None = None) -> None:
         self.config = checkpoint
         self.device = device or torch.device("cpu")
         self.start_time = time.time()
         self.received: int | None = None
         self._previous: dict[int, object] = {}
+        self.watchdog = None
+        if timeout_minutes is not None and dist.is_initialized():
+            self.watchdog = HangWatchdog(timeout_minutes * 60.0 + WATCHDOG_GRACE_SECONDS, sys._getframe(1))
         if checkpoint.exit_signal_handler:
             for signum in EXIT_SIGNALS:
                 try:
@@ -49,6 +105,7 @@ class ExitConditions:
 
     def check(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (the same answer on every rank), or None to go on."""
+        self.beat()
         c = self.config
         if c.exit_interval is not None and iteration % c.exit_interval == 0:
             return f"--exit-interval {c.exit_interval}"
@@ -66,8 +123,16 @@ class ExitConditions:
             return f"--exit-duration-in-mins {c.exit_duration_in_mins}"
         return None
 
+    def beat(self) -> None:
+        """Tell the hang watchdog that training progresses."""
+        if self.watchdog is not None:
+            self.watchdog.beat()
+
     def close(self) -> None:
-        """Put back the handlers that were installed before."""
+        """Stop the watchdog and put back the signal handlers that were installed before."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
