@@ -10,10 +10,11 @@ with new parameters reshards without edits here. The vocabulary rows are re-padd
 ``pretrain_gpt.py --load`` resumes with the target layout flags at the same iteration, consumed samples
 and learning-rate schedule.
 
-Not carried over: the optimizer state (Adam moments are laid out in each rank's ZeRO buffers; the
-resumed run starts them from zero, as ``--no-load-optim`` would) and the RNG states (per rank: the
-resumed run keeps its freshly seeded generators). Any data-parallel size and ZeRO stage can load the
-result.
+The optimizer state (AdamW moments, fp32 masters, loss scaler) of every ZeRO shard is merged per
+parameter and re-cut for ``--target-data-parallel-size`` and ``--target-zero-stage`` (default: the
+source's) by ``megatron_like.training.optimizer_reshard``; ``--no-optimizer`` drops it (Adam restarts,
+as with ``--no-load-optim``). Not carried over: the RNG states (per rank: the resumed run keeps its
+freshly seeded generators).
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from megatron_like.model.state import (  # noqa: E402
     shard_full_state,
 )
 from megatron_like.training.checkpointing import TRACKER_FILE, write_atomically  # noqa: E402
+from megatron_like.training.optimizer_reshard import gather_full_optimizer, shard_full_optimizer  # noqa: E402
 
 
-def target_config(saved: Config, tp: int, pp: int, vp_layers: int | None) -> Config:
+def target_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: int, zero_stage: int) -> Config:
     """The saved config with the target layout (validated: heads, layers and sizes must split)."""
     config = copy.deepcopy(saved)
     p = config.parallel
@@ -47,13 +49,29 @@ def target_config(saved: Config, tp: int, pp: int, vp_layers: int | None) -> Con
     p.num_layers_per_virtual_pipeline_stage = vp_layers
     if tp == 1:
         p.sequence_parallel = False
-    p.zero_stage, p.use_distributed_optimizer = 0, False  # the result holds no optimizer state
-    config.world_size = tp * pp
+    p.zero_stage, p.use_distributed_optimizer = zero_stage, False
+    config.world_size = tp * pp * dp
     # Only the model split is checked here; batch sizes are checked against dp when the run resumes.
-    config.training.global_batch_size = config.training.micro_batch_size * pp
+    config.training.global_batch_size = config.training.micro_batch_size * dp * pp
     config.validate()
     config.training.global_batch_size = saved.training.global_batch_size
     return config
+
+
+def read_optimizer_shards(load_dir: str, saved: Config, saved_dp: int) -> dict[tuple[int, int, int], dict] | None:
+    """Every rank's optimizer state dict of the source, keyed by (tp, pp, dp); None if it holds none."""
+    p = saved.parallel
+    shards = {}
+    for tp_rank in range(p.tensor_model_parallel_size):
+        for pp_rank in range(p.pipeline_model_parallel_size):
+            directory = os.path.join(load_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+            for dp_rank in range(saved_dp if p.zero_stage >= 1 else 1):
+                name = CHECKPOINT_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt"
+                state = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
+                if state.get("optimizer") is None:
+                    return None
+                shards[(tp_rank, pp_rank, dp_rank)] = state["optimizer"]
+    return shards
 
 
 def real_vocab_size(saved: Config, saved_rows: int, override: int | None) -> int:
@@ -74,29 +92,54 @@ def real_vocab_size(saved: Config, saved_rows: int, override: int | None) -> int
 
 
 def reshard(load: str, save: str, tp: int, pp: int, vp_layers: int | None = None, iteration: int | None = None,
-            vocab_size: int | None = None) -> str:
-    """Write the checkpoint ``load`` (latest, or ``iteration``) under ``save`` in the target layout."""
+            vocab_size: int | None = None, dp: int | None = None, zero_stage: int | None = None,
+            with_optimizer: bool = True) -> str:
+    """Write the checkpoint ``load`` (latest, or ``iteration``) under ``save`` in the target layout.
+
+    ``dp`` and ``zero_stage`` (default: the source's) lay out the optimizer state, which is carried over
+    unless ``with_optimizer`` is False or the source has none.
+    """
     source_dir = checkpoint_iteration_dir(load, iteration)
     saved, full = load_full_state(load, iteration)
     first = torch.load(os.path.join(source_dir, "mp_rank_00_000", CHECKPOINT_FILE), map_location="cpu",
                        weights_only=True, mmap=True)
-    config = target_config(saved, tp, pp, vp_layers)
+    saved_dp = first.get("dp_size", 1)
+    dp = saved_dp if dp is None else dp
+    zero_stage = saved.parallel.zero_stage if zero_stage is None else zero_stage
+    config = target_config(saved, tp, pp, vp_layers, dp, zero_stage)
     saved_rows = full[VOCAB_PARAMS[0]].shape[0]
     padded = config.padded_vocab_size(real_vocab_size(saved, saved_rows, vocab_size))
     if padded < saved_rows:
         print(f" > vocabulary rows {saved_rows} -> {padded} (padding rows dropped)")
+    optimizer_full = None
+    if with_optimizer:
+        shards = read_optimizer_shards(source_dir, saved, saved_dp)
+        if shards is None:
+            print(" > the source holds no optimizer state; the result holds none either")
+        else:
+            source = copy.deepcopy(saved)
+            source.world_size = saved_dp * (saved.parallel.tensor_model_parallel_size
+                                             * saved.parallel.pipeline_model_parallel_size)
+            optimizer_full = gather_full_optimizer(source, saved_rows, shards)
     it = first["iteration"]
+    full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
+    sharded_optimizer = zero_stage >= 1 and dp > 1
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            shards = shard_full_state({k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()},
-                                      config, tp_rank, pp_rank, padded)
-            state = {
-                "iteration": it, "consumed_samples": first["consumed_samples"], "config": config.to_dict(),
-                "model": shards, "optimizer": None, "scheduler": first.get("scheduler"), "dp_size": 1,
-            }
             directory = os.path.join(save, f"iter_{it:07d}", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
             os.makedirs(directory, exist_ok=True)
-            write_atomically(os.path.join(directory, CHECKPOINT_FILE), lambda f, s=state: torch.save(s, f))
+            for dp_rank in range(dp if sharded_optimizer else 1):
+                optimizer = None
+                if optimizer_full is not None:
+                    optimizer = shard_full_optimizer(config, padded, optimizer_full[0], optimizer_full[1],
+                                                     tp_rank, pp_rank, dp_rank)
+                state = {"iteration": it, "optimizer": optimizer}
+                if dp_rank == 0:
+                    state.update(consumed_samples=first["consumed_samples"], config=config.to_dict(),
+                                 model=shard_full_state(full, config, tp_rank, pp_rank, padded),
+                                 scheduler=first.get("scheduler"), dp_size=dp)
+                path = os.path.join(directory, CHECKPOINT_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt")
+                write_atomically(path, lambda f, s=state: torch.save(s, f))
     write_atomically(os.path.join(save, TRACKER_FILE), lambda f: f.write(f"{it}\n".encode()))
     return os.path.join(save, f"iter_{it:07d}")
 
@@ -108,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--target-data-parallel-size", type=int, default=None,
+                        help="data-parallel size the optimizer state is laid out for (default: the source's)")
+    parser.add_argument("--target-zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                        help="ZeRO stage of the resumed run (default: the source's)")
+    parser.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state (Adam restarts)")
     parser.add_argument("--iteration", type=int, default=None, help="source iteration (default: the latest)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="unpadded vocabulary (default: from the saved args or tokenizer)")
@@ -118,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = reshard(args.load, args.save, args.target_tensor_model_parallel_size,
                        args.target_pipeline_model_parallel_size, args.target_num_layers_per_virtual_pipeline_stage,
-                       args.iteration, args.vocab_size)
+                       args.iteration, args.vocab_size, args.target_data_parallel_size, args.target_zero_stage,
+                       not args.no_optimizer)
     except ConfigError as error:
         print(f"error: target layout: {error}", file=sys.stderr)
         return 2
