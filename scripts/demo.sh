@@ -37,7 +37,8 @@ echo "== training (tensor parallel 2 x pipeline parallel 2 on 4 CPU processes)"
 rm -rf "$DEMO_DIR/checkpoints"
 .venv/bin/torchrun --standalone --nproc_per_node=4 pretrain_gpt.py \
     "${MODEL[@]}" "${PARALLEL[@]}" "${TRAINING[@]}" "${DATA[@]}" "${TOKENIZER[@]}" "${LOGGING[@]}" \
-    --save "$DEMO_DIR/checkpoints"
+    --save "$DEMO_DIR/checkpoints" | tee "$DEMO_DIR/train.log"
+$PY tools/plot_logs.py "$DEMO_DIR/train.log" --output "$DEMO_DIR/loss.png"
 
 echo "== generating text from the checkpoint (tensor parallel 2; the loader merges the 2 pipeline stages)"
 .venv/bin/torchrun --standalone --nproc_per_node=2 tools/generate.py --load "$DEMO_DIR/checkpoints" \

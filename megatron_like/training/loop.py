@@ -57,8 +57,6 @@ class TrainingResult:
     optimizer: DistributedOptimizer | None = None
 
 
-
-
 def check_supported(config: Config) -> None:
     """Refuse invalid flag combinations before any process starts working (ConfigError, one line)."""
     check_training_flags(config)
