@@ -37,11 +37,11 @@ def perplexity(loss: float) -> float:
 
 
 def evaluation_line(where: str, stats: dict[str, float]) -> str:
-    """`` validation loss at <where> | lm loss value: X | lm loss PPL: Y |``: every statistic, PPL of losses."""
+    """`` validation loss at <where> | lm loss value: X | lm loss PPL: Y |``: every statistic, PPL of the LM loss."""
     parts = [f" validation loss at {where}"]
     for name, value in stats.items():
         parts.append(f"{name} value: {value:.6E}")
-        if name.endswith("loss"):
+        if name == "lm loss":  # a perplexity means something for language modeling only
             parts.append(f"{name} PPL: {perplexity(value):.6E}")
     return " | ".join(parts) + " |"
 
