@@ -215,12 +215,13 @@ def test_export_program_runs_without_our_code_and_equals_the_model(checkpoint, t
     script = (  # a fresh interpreter outside the repository, importing torch only
         "import sys, torch;"
         f"p = torch.export.load({str(tmp_path / 'exported' / 'model.pt2')!r}).module();"
-        f"torch.save(p(torch.load({str(tmp_path / 'ids.pt')!r})), {str(tmp_path / 'out.pt')!r});"
+        f"torch.save(p(torch.load({str(tmp_path / 'ids.pt')!r}, weights_only=True)), {str(tmp_path / 'out.pt')!r});"
         "assert 'megatron_like' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=120,
                    env={**os.environ, "PYTHONPATH": ""})
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), our_logits(checkpoint, ids), rtol=1e-5, atol=1e-5)
+    exported_logits = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.testing.assert_close(exported_logits, our_logits(checkpoint, ids), rtol=1e-5, atol=1e-5)
     meta = json.loads(Path(tmp_path / "exported" / "export_config.json").read_text())
     assert meta["vocab_size"] == VOCAB
 
