@@ -96,6 +96,16 @@ def barrier(group: Group = None) -> None:
         dist.barrier(group=group)
 
 
+def post_p2p(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list:
+    """Start the sends and receives ``(tensor, peer global rank, tag)`` as one batch; return their works.
+
+    ``.wait()`` a work before reading a received tensor or writing a sent one.
+    """
+    ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
 def exchange(
     sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
 ) -> None:
@@ -103,12 +113,8 @@ def exchange(
 
     Batching them lets adjacent pipeline stages exchange in both directions without ordering deadlocks.
     """
-    ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    if not ops:
-        return
-    for request in dist.batch_isend_irecv(ops):
-        request.wait()
+    for work in post_p2p([(t, peer, 0) for t, peer in sends], [(t, peer, 0) for t, peer in recvs]):
+        work.wait()
 
 
 # ---------------------------------------------------------------- flat-buffer collectives of data parallelism

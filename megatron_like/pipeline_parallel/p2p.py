@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_like import collectives as comm
 from megatron_like.parallel_state import ParallelState
 
 FORWARD_TAG = 0
@@ -92,23 +93,23 @@ class PipelineP2P:
             receive never waits for a send (a coalescing backend returns one work per batch).
         """
         sends = [
-            dist.P2POp(dist.isend, self._checked(tensor.detach()), peer, tag=tag)
+            (self._checked(tensor.detach()), peer, tag)
             for tensor, peer, tag in ((send_next, self.next_rank, FORWARD_TAG),
                                       (send_prev, self.prev_rank, BACKWARD_TAG))
             if tensor is not None
         ]
         if sends:
             self._pending_sends = [(w, t) for w, t in self._pending_sends if not all(x.is_completed() for x in w)]
-            self._pending_sends.append((dist.batch_isend_irecv(sends), [op.tensor for op in sends]))
+            self._pending_sends.append((comm.post_p2p(sends, []), [tensor for tensor, _, _ in sends]))
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
         recvs = [
-            dist.P2POp(dist.irecv, buffer, peer, tag=tag)
+            (buffer, peer, tag)
             for buffer, peer, tag in ((from_prev, self.prev_rank, FORWARD_TAG),
                                       (from_next, self.next_rank, BACKWARD_TAG))
             if buffer is not None
         ]
-        return PendingRecv(dist.batch_isend_irecv(recvs) if recvs else [], from_prev, from_next)
+        return PendingRecv(comm.post_p2p([], recvs), from_prev, from_next)
 
     def wait_for_sends(self) -> None:
         """Block until every send posted so far has completed (call at the end of a schedule)."""
