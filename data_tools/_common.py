@@ -39,6 +39,15 @@ def resolve_inputs(spec: str) -> list[str]:
     return files
 
 
+def input_files_or_exit(spec: str) -> list[str]:
+    """``resolve_inputs(spec)`` for a tool's ``main``: a bad ``--input`` prints one line and exits 1."""
+    try:
+        return resolve_inputs(spec)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
 def open_binary(path: str) -> io.BufferedIOBase:
     """Return the file opened for binary reading, decompressed when it ends in .gz."""
     if path.endswith(".gz"):

@@ -69,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.domains_file:
         with open(args.domains_file, encoding="utf-8") as f:
             domains |= {ln.strip().lower() for ln in f if ln.strip() and not ln.startswith("#")}
-    try:
-        files = _common.resolve_inputs(args.input) if args.url_key else [args.input]
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = _common.input_files_or_exit(args.input) if args.url_key else [args.input]
     counts: Counter = Counter()
     seen: set[str] = set()
     with _common.open_text_out(args.output) as out:

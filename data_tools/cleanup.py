@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--log-interval", type=int, default=10000)
     args = parser.parse_args(argv)
-    try:
-        files = _common.resolve_inputs(args.input)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = _common.input_files_or_exit(args.input)
     counts: Counter = Counter()
     progress = _common.Progress(args.log_interval)
     lines = (raw for _, _, raw in _common.iter_json_docs(files) if raw.strip())

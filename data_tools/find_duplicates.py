@@ -161,11 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         bands, rows = args.bands, args.num_perm // args.bands
     else:
         bands, rows = lsh_params(args.threshold, args.num_perm)
-    try:
-        files = _common.resolve_inputs(args.input)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = _common.input_files_or_exit(args.input)
     ids: list[str] = []
     signatures: list[np.ndarray] = []
     unreadable = 0

@@ -46,11 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="groups jsonl")
     parser.add_argument("--threshold", type=float, default=0.0, help="ignore pairs below this Jaccard")
     args = parser.parse_args(argv)
-    try:
-        files = _common.resolve_inputs(args.input)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = _common.input_files_or_exit(args.input)
     sets = UnionFind()
     order: dict[str, int] = {}
     pairs = 0

@@ -24,11 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--buckets", type=int, default=16, help="temporary files (more = less memory)")
     args = parser.parse_args(argv)
-    try:
-        files = _common.resolve_inputs(args.input)
-    except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    files = _common.input_files_or_exit(args.input)
     rng = random.Random(args.seed)
     lines = 0
     out_dir = os.path.dirname(os.path.abspath(args.output))
