@@ -8,16 +8,15 @@ process and one stage it is simply the whole model.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_vocab_cross_entropy
 from megatron_like.model.transformer import (
     TransformerLayer,
+    embeddings_to_layers,
     forward_layers,
     layer_norm,
-    sharded_dropout_context,
 )
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
@@ -26,7 +25,6 @@ from megatron_like.tensor_parallel import (
     init_generator,
     mark_replicated,
     normal_init,
-    scatter_to_sequence_parallel_region,
     vocab_parallel_cross_entropy,
 )
 
@@ -65,13 +63,7 @@ class GPTEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # (b, s, h)
-        x = x.transpose(0, 1).contiguous()  # (s, b, h)
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # (s / tp, b, h)
-        if self.training and self.dropout_p > 0:
-            with sharded_dropout_context(self.sequence_parallel):
-                x = F.dropout(x, p=self.dropout_p, training=True)
-        return x
+        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
 
 
 class GPTModel(nn.Module):

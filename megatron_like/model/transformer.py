@@ -29,6 +29,7 @@ from megatron_like.tensor_parallel import (
     get_rng_tracker,
     mark_replicated,
     normal_init,
+    scatter_to_sequence_parallel_region,
 )
 from megatron_like.tensor_parallel.random import checkpoint
 
@@ -44,6 +45,19 @@ def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype,
 def sharded_dropout_context(sequence_parallel: bool):
     """Dropout on sequence-parallel shards must differ per tp rank: use the tracker's stream there."""
     return get_rng_tracker().fork() if sequence_parallel else nullcontext()
+
+
+def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dropout_p: float,
+                         training: bool) -> torch.Tensor:
+    """Embedding output ``[b, s, h]`` -> the layers' input ``[s, b, h]`` (``[s / tp, b, h]`` with sequence
+    parallelism), with the embedding dropout drawn from the right stream for that layout."""
+    x = x.transpose(0, 1).contiguous()  # (s, b, h)
+    if sequence_parallel:
+        x = scatter_to_sequence_parallel_region(x, tp_group)  # (s / tp, b, h)
+    if training and dropout_p > 0:
+        with sharded_dropout_context(sequence_parallel):
+            x = F.dropout(x, p=dropout_p, training=True)
+    return x
 
 
 class SelfAttention(nn.Module):

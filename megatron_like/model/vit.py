@@ -20,14 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ConfigError, ModelConfig
-from megatron_like.model.transformer import TransformerLayer, forward_layers, layer_norm, sharded_dropout_context
+from megatron_like.model.transformer import TransformerLayer, embeddings_to_layers, forward_layers, layer_norm
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     gather_from_sequence_parallel_region,
     init_generator,
     mark_replicated,
     normal_init,
-    scatter_to_sequence_parallel_region,
 )
 
 
@@ -104,13 +103,7 @@ class ViTEmbedding(nn.Module):
         x = F.linear(patches, self.patch_weight, self.patch_bias)  # (b, n, h)
         cls = self.class_token.expand(x.shape[0], 1, -1)  # (b, 1, h)
         x = torch.cat([cls, x], dim=1) + self.position_embeddings  # (b, s, h)
-        x = x.transpose(0, 1).contiguous()  # (s, b, h)
-        if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x, self.tp_group)  # (s / tp, b, h)
-        if self.training and self.dropout_p > 0:
-            with sharded_dropout_context(self.sequence_parallel):
-                x = F.dropout(x, p=self.dropout_p, training=True)
-        return x
+        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
 
 
 class ViTModel(nn.Module):
