@@ -101,8 +101,8 @@ def reshard(load: str, save: str, tp: int, pp: int, vp_layers: int | None = None
     """
     source_dir = checkpoint_iteration_dir(load, iteration)
     saved, full = load_full_state(load, iteration)
-    first = torch.load(os.path.join(source_dir, "mp_rank_00_000", CHECKPOINT_FILE), map_location="cpu",
-                       weights_only=True, mmap=True)
+    first_path = os.path.join(source_dir, "mp_rank_00_000", CHECKPOINT_FILE)
+    first = torch.load(first_path, weights_only=True, map_location="cpu", mmap=True)
     saved_dp = first.get("dp_size", 1)
     dp = saved_dp if dp is None else dp
     zero_stage = saved.parallel.zero_stage if zero_stage is None else zero_stage

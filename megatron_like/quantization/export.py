@@ -47,8 +47,8 @@ def load_qat_checkpoint(root: str, iteration: int | None = None) -> tuple[Config
     tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
     full: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
-        shards = [torch.load(os.path.join(it_dir, f"mp_rank_{t:02d}_{pp_rank:03d}", CHECKPOINT_FILE),
-                             map_location="cpu", weights_only=True)["model"] for t in range(tp)]
+        paths = [os.path.join(it_dir, f"mp_rank_{t:02d}_{pp_rank:03d}", CHECKPOINT_FILE) for t in range(tp)]
+        shards = [torch.load(path, weights_only=True, map_location="cpu")["model"] for path in paths]
         for v in range(vp):
             merged = {}
             for name, first in shards[0][v].items():
