@@ -6,11 +6,13 @@ theory ``(p - 1) / (v * m + p - 1)``.
     python benchmarks/pipeline_bubble.py --trace-dir /tmp/traces  # also write Chrome traces
 
 Each layout runs the real schedules (``megatron_like.pipeline_parallel``) with gloo p2p on ``p``
-processes and records their trace. A rank's idle fraction is the share of the iteration's window (first
-step start to last step end over all ranks) it spent outside forward/backward steps: waiting for a
-neighbour, communicating, or done. The table shows the median iteration, the ratio measured / theory,
-and the measured window's excess over the theoretical one per step of a rank (communication and
-Python between steps, which the theory ignores; it weighs more when the bubble is small and v large).
+processes and records their trace. A step spans its compute and the p2p batch it issues afterwards
+(handing its result on, posting the next receives); a rank's idle fraction is the share of the
+iteration's window (first step start to last step end over all ranks) it spent outside its steps:
+waiting for a neighbour's data, or done. The table shows the median iteration, the ratio measured /
+theory, the time per step spent issuing p2p batches (``comm``, counted as busy: it is work the rank
+does, which the theory leaves out), and the measured window's excess over the theoretical one per step
+of a rank (message latency and Python between steps).
 
 ``--work sleep`` (default) gives every stage a forward of ``--forward-ms`` and a backward of twice that
 (divided among its ``v`` chunks) as sleeps, so the measurement isolates the schedule and its
@@ -42,7 +44,7 @@ sys.path.insert(0, ROOT)
 from megatron_like.config import ParallelConfig, parse_config  # noqa: E402
 from megatron_like.model import chunk_layers  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
-from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func, schedules  # noqa: E402
+from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func  # noqa: E402
 from megatron_like.pipeline_parallel.trace import TraceEvent, chrome_trace, idle_fractions, theoretical_bubble  # noqa: E402
 
 
@@ -127,14 +129,12 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
            results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    if args.receive_ahead is not None:
-        schedules.RECEIVE_AHEAD = args.receive_ahead
     ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
     build = build_sleep_chunks if args.work == "sleep" else build_gpt_chunks
     for vp, m in layouts:
         chunks, forward_step_func, data = build(ps, vp, args)
         schedule = get_forward_backward_func(ps.pp_size, vp)
-        measured, events = [], []  # (idle fraction per rank, window in seconds) of each timed iteration
+        measured, events = [], []  # (idle fraction per rank, window, comm per step) of each timed iteration
         for iteration in range(args.warmup + args.iterations):
             trace = ScheduleTrace()
             dist.barrier()
@@ -144,10 +144,11 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
             dist.all_gather_object(gathered, trace.events)
             if iteration >= args.warmup:
                 window = max(e.end for ev in gathered for e in ev) - min(e.start for ev in gathered for e in ev)
-                measured.append((idle_fractions(gathered), window))
+                steps = [e for ev in gathered for e in ev]
+                measured.append((idle_fractions(gathered), window, statistics.mean(e.comm for e in steps)))
                 events = gathered
         if rank == 0:
-            measured.sort(key=lambda idle_window: statistics.mean(idle_window[0]))
+            measured.sort(key=lambda iteration: statistics.mean(iteration[0]))
             results.put((world_size, vp, m, *measured[len(measured) // 2]))
             if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
@@ -168,8 +169,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--receive-ahead", type=int, default=None,
-                        help="override schedules.RECEIVE_AHEAD (0 posts each receive right before its step)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace of each layout's last iteration")
@@ -188,15 +187,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pipeline bubble, work={args.work}" + (f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep"
           else "") + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
     print(f"{'p':>2} {'v':>2} {'m':>3} | {'theory':>6} | {'measured':>8} {'min':>6} {'max':>6} | {'ratio':>5} | "
-          f"{'excess ms/step':>14}")
-    for p, v, m, idle, window in rows:
+          f"{'comm ms/step':>12} {'ratio if comm idle':>18} | {'excess ms/step':>14}")
+    for p, v, m, idle, window, comm in rows:
         theory, mean = theoretical_bubble(p, v, m), statistics.mean(idle)
         # The window the measured busy time would need with exactly the theoretical bubble; the rest is
         # overhead (communication, Python between steps, other processes), spread over a rank's 2*v*m steps.
         ideal_window = window * (1 - mean) / (1 - theory)
         excess_ms = (window - ideal_window) / (2 * v * m) * 1000
+        idle_with_comm = mean + comm * 2 * v * m / window  # as if issuing p2p batches were idle time too
         print(f"{p:>2} {v:>2} {m:>3} | {theory:6.3f} | {mean:8.3f} {min(idle):6.3f} {max(idle):6.3f} | "
-              f"{mean / theory:5.2f} | {excess_ms:14.2f}")
+              f"{mean / theory:5.2f} | {comm * 1000:12.2f} {idle_with_comm / theory:18.2f} | {excess_ms:14.2f}")
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ trace (trace.py). ``get_forward_backward_func(pp, vp)`` picks the schedule; see 
 from megatron_like.pipeline_parallel.p2p import PipelineP2P, pipeline_tensor_shape
 from megatron_like.pipeline_parallel.schedules import (
     check_pipeline_schedule,
+    communication_plan,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
@@ -18,6 +19,7 @@ __all__ = [
     "ScheduleTrace",
     "Step",
     "check_pipeline_schedule",
+    "communication_plan",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",

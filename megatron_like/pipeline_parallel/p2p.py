@@ -16,12 +16,12 @@ Two message streams, told apart by their tag, flow between neighbours:
 Each stream is FIFO, and every schedule here produces and consumes a stream in the same micro-batch
 order, so a message needs no header.
 
-Sends are asynchronous: a stage never waits for its neighbour to *accept* data, only for data it needs.
-:meth:`PipelineP2P.post` posts a step's sends as one ``batch_isend_irecv`` and the receives of a later
-step as another, and returns a :class:`PendingRecv` to wait on when that step starts; sends (and their
-tensors) are kept until they complete. Posting receives early matters: gloo (like NCCL) moves the data
-only once the receiver has posted its receive, so a receive posted just before it is needed costs a
-round trip between the processes on every step.
+Sends and receives are asynchronous. :meth:`PipelineP2P.post` issues one ``batch_isend_irecv`` of up
+to four operations (send forward, send backward, receive from the previous stage, receive from the next)
+and returns a :class:`Received` per receive, to wait on when the step that needs it starts. Which
+operations go into one batch, and when, is the schedule's communication plan (``schedules.py``): NCCL
+runs the batches of a rank one after the other on one stream, and a batch finishes only when its peers
+have posted the matching operations, so the grouping decides whether a pipeline can deadlock.
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: i
     return (seq_length, micro_batch_size, hidden_size)
 
 
-class PendingRecv:
-    """Receives posted by :meth:`PipelineP2P.post`; :meth:`wait` returns ``(from_prev, from_next)``."""
+class Received:
+    """A posted receive: :meth:`wait` returns the tensor once it has arrived."""
 
-    def __init__(self, works: list[dist.Work], from_prev: torch.Tensor | None,
-                 from_next: torch.Tensor | None) -> None:
-        self.works, self.tensors = works, (from_prev, from_next)
+    def __init__(self, tensor: torch.Tensor, works: list[dist.Work]) -> None:
+        self.tensor, self.works = tensor, works
 
-    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def wait(self) -> torch.Tensor:
         for work in self.works:
             work.wait()
-        return self.tensors
+        self.works = []
+        return self.tensor
 
 
 class PipelineP2P:
@@ -80,8 +80,8 @@ class PipelineP2P:
         send_prev: torch.Tensor | None = None,
         recv_prev: bool = False,
         recv_next: bool = False,
-    ) -> PendingRecv:
-        """Start sending activations forward / gradients backward and start receiving.
+    ) -> tuple[Received | None, Received | None]:
+        """Start sending activations forward / gradients backward and start receiving, as one batch.
 
         Args:
             send_next: hidden states ``[s, b, h]`` for the next stage, or None.
@@ -89,8 +89,9 @@ class PipelineP2P:
             recv_prev: receive hidden states ``[s, b, h]`` from the previous stage.
             recv_next: receive the gradient ``[s, b, h]`` of this stage's output from the next stage.
         Returns:
-            the posted receives. Sends and receives go in separate batches, so that waiting for a
-            receive never waits for a send (a coalescing backend returns one work per batch).
+            ``(from_prev, from_next)``, the posted receives (None where not asked for). A backend that
+            returns one work per operation (gloo) lets each receive be waited for alone; a coalescing one
+            (NCCL) returns one work for the batch, which every receive of the batch then waits for.
         """
         sends = [
             (self._checked(tensor.detach()), peer, tag)
@@ -98,9 +99,6 @@ class PipelineP2P:
                                       (send_prev, self.prev_rank, BACKWARD_TAG))
             if tensor is not None
         ]
-        if sends:
-            self._pending_sends = [(w, t) for w, t in self._pending_sends if not all(x.is_completed() for x in w)]
-            self._pending_sends.append((comm.post_p2p(sends, []), [tensor for tensor, _, _ in sends]))
         from_prev = self._empty() if recv_prev else None
         from_next = self._empty() if recv_next else None
         recvs = [
@@ -109,7 +107,17 @@ class PipelineP2P:
                                       (from_next, self.next_rank, BACKWARD_TAG))
             if buffer is not None
         ]
-        return PendingRecv(comm.post_p2p([], recvs), from_prev, from_next)
+        if not sends and not recvs:
+            return None, None
+        works = comm.post_p2p(sends, recvs)
+        per_operation = len(works) == len(sends) + len(recvs)
+        send_works, recv_works = (works[:len(sends)], works[len(sends):]) if per_operation else (works, works)
+        if sends:
+            self._pending_sends = [(w, t) for w, t in self._pending_sends if not all(x.is_completed() for x in w)]
+            self._pending_sends.append((send_works, [tensor for tensor, _, _ in sends]))
+        handles = [Received(buffer, [recv_works[n]] if per_operation else recv_works)
+                   for n, (buffer, _, _) in enumerate(recvs)]
+        return (handles.pop(0) if recv_prev else None), (handles.pop(0) if recv_next else None)
 
     def wait_for_sends(self) -> None:
         """Block until every send posted so far has completed (call at the end of a schedule)."""

@@ -26,7 +26,9 @@ The three schedules:
 Both pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
 :func:`interleaved_steps`) run by one executor, :func:`run_pipeline_steps`: a step waits for its input
 (activations from the previous stage for a forward, the output gradient from the next stage for a
-backward), computes, and sends its result without waiting for the neighbour to take it (see p2p.py).
+backward), computes, and hands its result on. When results are sent and inputs received is the
+:func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
+every batch of a rank runs in order on one stream and waits for its peers (NCCL).
 
 Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean
 loss over the global batch, and gradients accumulate over micro batches in the same order as without
@@ -37,19 +39,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections import deque
+import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from megatron_like.config import ConfigError
-from megatron_like.pipeline_parallel.p2p import PendingRecv, PipelineP2P, pipeline_tensor_shape
-from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, active_trace
-
-RECEIVE_AHEAD = 1
-"""Steps between posting a receive and the step that needs it (0: post right before; see p2p.py)."""
+from megatron_like.pipeline_parallel.p2p import PipelineP2P, Received, pipeline_tensor_shape
+from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, StepTiming, active_trace
 
 LossStats = dict[str, torch.Tensor]
 ForwardStepFunc = Callable[[Iterator | None, nn.Module], tuple[torch.Tensor, Callable]]
@@ -151,12 +150,72 @@ def interleaved_steps(pp_size: int, pp_rank: int, num_microbatches: int, vp_size
 
     if forward_only:
         return [forward_of(k) for k in range(total)]
-    warmup = min(total, 2 * (pp - pp_rank - 1) + (vp - 1) * pp)
+    warmup = interleaved_warmup(pp, pp_rank, num_microbatches, vp)
     steps = [forward_of(k) for k in range(warmup)]
     for k in range(total - warmup):
         steps += [forward_of(warmup + k), backward_of(k)]
     steps += [backward_of(k) for k in range(total - warmup, total)]
     return steps
+
+
+class Post(NamedTuple):
+    """One batch of p2p operations, issued right after step ``after`` of a rank's order (-1: before the
+    first step). ``sends`` and ``receives`` are indices of steps in that order: the steps whose result
+    (a forward's output, a backward's input gradient) is sent, and the steps whose input is received."""
+
+    after: int
+    sends: tuple[int, ...]
+    receives: tuple[int, ...]
+
+
+def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_size: int = 1) -> list[Post]:
+    """When each step of ``steps`` (the order of rank ``pp_rank``) sends its result and receives its input.
+
+    A forward receives its input unless it runs the first chunk (chunk 0 of rank 0) and sends its output
+    unless it runs the last chunk (which computes the loss); a backward receives its output gradient
+    unless it runs the last chunk and sends its input gradient unless it runs the first.
+
+    The steps are cut into slots: one step each, except that with interleaving a forward and the
+    backward right after it in the steady phase (after the warmup forwards) share a slot. After each
+    slot one batch sends the slot's results and posts the receives of the next slot, so a receive is
+    posted while the neighbour still computes the data. This is Megatron's batching
+    (``send_forward_recv_backward`` for 1F1B, ``send_forward_backward_recv_forward_backward``
+    interleaved), and it matters on NCCL, which runs a rank's batches in order on one stream: a batch
+    posted early that waits for its peer blocks every later one. The tests prove this plan free of
+    deadlocks under that rule for every layout (sending every result at once and receiving a step
+    ahead is not) and show that it keeps the theoretical bubble.
+    """
+
+    def is_first_chunk(step: Step) -> bool:
+        return pp_rank == 0 and step.chunk == 0
+
+    def is_last_chunk(step: Step) -> bool:
+        return pp_rank == pp_size - 1 and step.chunk == vp_size - 1
+
+    def receives_input(step: Step) -> bool:
+        return not (is_first_chunk(step) if step.kind == "F" else is_last_chunk(step))
+
+    def sends_result(step: Step) -> bool:
+        return not (is_last_chunk(step) if step.kind == "F" else is_first_chunk(step))
+
+    slots = [[i] for i in range(len(steps))]
+    forwards = sum(step.kind == "F" for step in steps)
+    if vp_size > 1 and forwards < len(steps):  # interleaved training: pair the steady phase
+        warmup = interleaved_warmup(pp_size, pp_rank, forwards // vp_size, vp_size)
+        cooldown = warmup + 2 * (forwards - warmup)
+        slots = slots[:warmup] + [[i, i + 1] for i in range(warmup, cooldown, 2)] + slots[cooldown:]
+    posts = []
+    for k in range(-1, len(slots)):
+        sends = tuple(i for i in slots[k] if sends_result(steps[i])) if k >= 0 else ()
+        receives = tuple(i for i in slots[k + 1] if receives_input(steps[i])) if k + 1 < len(slots) else ()
+        if sends or receives:
+            posts.append(Post(slots[k][-1] if k >= 0 else -1, sends, receives))
+    return posts
+
+
+def interleaved_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int) -> int:
+    """Forwards rank ``pp_rank`` runs before its first backward under interleaved 1F1B (Megatron's count)."""
+    return min(num_microbatches * vp_size, 2 * (pp_size - pp_rank - 1) + (vp_size - 1) * pp_size)
 
 
 def check_pipeline_schedule(pp_size: int, vp_size: int, num_microbatches: int) -> None:
@@ -184,52 +243,57 @@ def run_pipeline_steps(
     forward_only: bool = False,
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
-    """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours.
+    """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours as
+    :func:`communication_plan` says.
 
     Inputs and outputs of a (chunk, micro batch) are kept from its forward to its backward and
-    dropped right after, so the memory held is that of the micro batches in flight.
+    dropped right after, so the memory held is that of the micro batches in flight. A traced step spans
+    its compute and the batch of p2p operations issued after it (recorded apart as ``comm``), so the
+    trace's gaps are the time a rank waited for a neighbour.
     """
     ps, vp = model[0].ps, len(model)
     run = trace.begin_run() if trace is not None else 0
 
-    def is_first_chunk(chunk: int) -> bool:
-        return ps.is_first_stage and chunk == 0
+    def is_last_chunk(step: Step) -> bool:
+        return ps.is_last_stage and step.chunk == vp - 1
 
-    def is_last_chunk(chunk: int) -> bool:
-        return ps.is_last_stage and chunk == vp - 1
+    plan = {post.after: post for post in communication_plan(steps, ps.pp_size, ps.pp_rank, vp)}
+    sent = {i for post in plan.values() for i in post.sends}
+    results: dict[int, torch.Tensor] = {}  # step index -> its result, until the batch that sends it
+    receiving: dict[int, Received] = {}  # step index -> its posted input
 
-    def post(step: Step | None, send_next: torch.Tensor | None = None,
-             send_prev: torch.Tensor | None = None) -> PendingRecv:
-        """Send a finished step's result and post the receive of the input ``step`` will need."""
-        recv_prev = step is not None and step.kind == "F" and not is_first_chunk(step.chunk)
-        recv_next = step is not None and step.kind == "B" and not is_last_chunk(step.chunk)
-        return p2p.post(send_next, send_prev, recv_prev, recv_next)
+    def issue(post: Post) -> None:
+        sent = {steps[i].kind: results.pop(i) for i in post.sends}
+        wanted = {steps[i].kind: i for i in post.receives}
+        from_prev, from_next = p2p.post(sent.get("F"), sent.get("B"), "F" in wanted, "B" in wanted)
+        for kind, received in (("F", from_prev), ("B", from_next)):
+            if kind in wanted:
+                receiving[wanted[kind]] = received
 
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
     stats: list[LossStats] = []
-    # Receives are posted RECEIVE_AHEAD steps early: the input of step i + 1 is posted before step i
-    # computes, so it arrives while step i runs instead of costing a round trip after it (see p2p.py).
-    receives = deque(post(step) for step in steps[:RECEIVE_AHEAD + 1])
+    if -1 in plan:
+        issue(plan[-1])
     for i, step in enumerate(steps):
-        from_prev, from_next = receives.popleft().wait()
-        received = from_prev if from_prev is not None else from_next
+        received = receiving.pop(i).wait() if i in receiving else None
         key = (step.chunk, step.microbatch)
-        send_next = send_prev = None
-        with _span(trace, ps.pp_rank, run, step):
+        with _span(trace, ps.pp_rank, run, step) as timing:
             if step.kind == "F":
                 if received is not None and not forward_only:
                     received.requires_grad_()
                 output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
-                                      received, num_microbatches, is_last_chunk(step.chunk), stats)
+                                      received, num_microbatches, is_last_chunk(step), stats)
                 if not forward_only:
                     inputs[key], outputs[key] = received, output
-                send_next = None if is_last_chunk(step.chunk) else output
+                result = output
             else:
-                input_grad = backward_step(inputs.pop(key), outputs.pop(key), received)
-                send_prev = None if is_first_chunk(step.chunk) else input_grad
-        ahead = i + RECEIVE_AHEAD + 1
-        receives.append(post(steps[ahead] if ahead < len(steps) else None, send_next, send_prev))
+                result = backward_step(inputs.pop(key), outputs.pop(key), received)
+            if i in sent:
+                results[i] = result
+            if i in plan:
+                timing.handoff = time.perf_counter()
+                issue(plan[i])
     p2p.wait_for_sends()
     return stats
 
@@ -313,5 +377,6 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> Callable[..., l
     return forward_backward_pipelining_without_interleaving
 
 
-def _span(trace: ScheduleTrace | None, pp_rank: int, run: int, step: Step) -> contextlib.AbstractContextManager:
-    return trace.span(pp_rank, run, step) if trace is not None else contextlib.nullcontext()
+def _span(trace: ScheduleTrace | None, pp_rank: int, run: int,
+          step: Step) -> contextlib.AbstractContextManager[StepTiming]:
+    return trace.span(pp_rank, run, step) if trace is not None else contextlib.nullcontext(StepTiming())

@@ -44,10 +44,21 @@ class TraceEvent:
     microbatch: int
     start: float
     end: float
+    comm: float = 0.0
+    """Seconds at the end of [start, end] spent issuing the p2p batch that follows the step (the rest is
+    compute: the step's result left at ``end - comm``)."""
 
     @property
     def step(self) -> Step:
         return Step(self.kind, self.chunk, self.microbatch)
+
+
+@dataclass
+class StepTiming:
+    """What a schedule adds to the step being recorded: when (``time.perf_counter``) its compute ended
+    and it began to issue the p2p batch that follows it, if any."""
+
+    handoff: float | None = None
 
 
 @dataclass
@@ -62,11 +73,12 @@ class ScheduleTrace:
         return self.runs - 1
 
     @contextlib.contextmanager
-    def span(self, pp_rank: int, run: int, step: Step) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.events.append(TraceEvent(pp_rank, run, step.kind, step.chunk, step.microbatch, start,
-                                      time.perf_counter()))
+    def span(self, pp_rank: int, run: int, step: Step) -> Iterator[StepTiming]:
+        start, timing = time.perf_counter(), StepTiming()
+        yield timing
+        end = time.perf_counter()
+        comm = 0.0 if timing.handoff is None else end - timing.handoff
+        self.events.append(TraceEvent(pp_rank, run, step.kind, step.chunk, step.microbatch, start, end, comm))
 
     def of_run(self, run: int) -> list[TraceEvent]:
         return [e for e in self.events if e.run == run]
@@ -132,15 +144,19 @@ def idle_fractions(events_per_rank: Sequence[Sequence[TraceEvent]]) -> list[floa
 
 
 def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> list[list[TraceEvent]]:
+             backward_time: float = 2.0, sent_after: Sequence[Sequence[int]] | None = None) -> list[list[TraceEvent]]:
     """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
 
     A forward of chunk c on rank r waits for the same forward on rank r - 1 (rank 0 waits for chunk
-    c - 1 on the last rank); a backward waits for its own forward and for the backward on rank r + 1
-    (the last rank waits for chunk c + 1 on rank 0). Raises RuntimeError if the orders deadlock.
+    c - 1 on the last rank); a backward runs after its own forward and waits for the backward on rank r + 1
+    (the last rank waits for chunk c + 1 on rank 0). A step's result leaves when the step ends, or when
+    step ``sent_after[rank][i]`` of its rank ends (a communication plan that batches it with a later
+    step's). Raises RuntimeError if the orders deadlock.
     """
     pp = len(orders)
-    done: dict[tuple[int, Step], float] = {}
+    done: dict[tuple[int, Step], float] = {}  # (rank, step) -> when its result left for the neighbour
+    held: list[dict[int, list[Step]]] = [{} for _ in range(pp)]  # results held until step i of the rank ends
+    ran: list[set[Step]] = [set() for _ in range(pp)]
     position, clock = [0] * pp, [0.0] * pp
     events: list[list[TraceEvent]] = [[] for _ in range(pp)]
 
@@ -150,10 +166,9 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
             if rank > 0:
                 return [(rank - 1, step)]
             return [(pp - 1, Step("F", c - 1, mb))] if c > 0 else []
-        own_forward = (rank, Step("F", c, mb))
         if rank < pp - 1:
-            return [own_forward, (rank + 1, step)]
-        return [own_forward] + ([(0, Step("B", c + 1, mb))] if c < num_chunks - 1 else [])
+            return [(rank + 1, step)]
+        return [(0, Step("B", c + 1, mb))] if c < num_chunks - 1 else []
 
     progressed = True
     while progressed:
@@ -162,18 +177,57 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
             while position[rank] < len(orders[rank]):
                 step = orders[rank][position[rank]]
                 needed = dependencies(rank, step)
-                if any(d not in done for d in needed):
+                own_forward_ran = step.kind == "F" or Step("F", step.chunk, step.microbatch) in ran[rank]
+                if any(d not in done for d in needed) or not own_forward_ran:
                     break
                 start = max([clock[rank]] + [done[d] for d in needed])
                 end = start + (forward_time if step.kind == "F" else backward_time)
-                done[(rank, step)], clock[rank] = end, end
+                index, clock[rank] = position[rank], end
+                held[rank].setdefault(sent_after[rank][index] if sent_after else index, []).append(step)
+                for sent in held[rank].pop(index, []):
+                    done[(rank, sent)] = end
                 events[rank].append(TraceEvent(rank, 0, step.kind, step.chunk, step.microbatch, start, end))
+                ran[rank].add(step)
                 position[rank] += 1
                 progressed = True
     stuck = {rank: orders[rank][position[rank]] for rank in range(pp) if position[rank] < len(orders[rank])}
     if stuck:
         raise RuntimeError(f"schedule deadlocks: ranks wait at {stuck}")
     return events
+
+
+def simulate_in_order_batches(batches: Sequence[Sequence[Sequence[tuple[str, int, int]]]]) -> None:
+    """Raise RuntimeError if these p2p batches deadlock when each rank runs its batches strictly in order.
+
+    ``batches[rank]`` lists the batches a rank issues, each a list of ``("send" | "recv", peer, tag)``.
+    The model is NCCL's (the conservative reading): a rank's batches run one after the other on one
+    stream, an operation completes only while the batches holding it and its peer's matching operation
+    are both running, and a batch ends when all its operations have. Matching is FIFO per
+    (sender, receiver, tag), as in p2p.py. Gloo never blocks a rank on its sends, so whatever passes here
+    also runs on gloo.
+    """
+    # Name every operation by its message: (sender, receiver, tag, k-th message of that stream).
+    named: list[list[set[tuple[int, int, int, int]]]] = []
+    for rank, rank_batches in enumerate(batches):
+        counts: dict[tuple, int] = {}
+        named.append([])
+        for batch in rank_batches:
+            messages = set()
+            for kind, peer, tag in batch:
+                stream = (rank, peer, tag) if kind == "send" else (peer, rank, tag)
+                counts[(kind, stream)] = counts.get((kind, stream), 0) + 1
+                messages.add((*stream, counts[(kind, stream)]))
+            named[-1].append(messages)
+    position, completed = [0] * len(batches), set()
+    while any(position[r] < len(named[r]) for r in range(len(named))):
+        running = [named[r][position[r]] if position[r] < len(named[r]) else set() for r in range(len(named))]
+        for rank, messages in enumerate(running):
+            completed |= {m for m in messages if m in running[m[1] if m[0] == rank else m[0]]}
+        finished = [r for r, messages in enumerate(running) if messages and messages <= completed]
+        if not finished:
+            raise RuntimeError(f"p2p batches deadlock: ranks stuck at batches {position}")
+        for rank in finished:
+            position[rank] += 1
 
 
 def chrome_trace(events_per_rank: Sequence[Sequence[TraceEvent]]) -> dict:

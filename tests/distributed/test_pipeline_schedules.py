@@ -15,6 +15,7 @@ from megatron_like.pipeline_parallel import (
     PipelineP2P,
     Step,
     check_pipeline_schedule,
+    communication_plan,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
@@ -28,6 +29,7 @@ from megatron_like.pipeline_parallel.trace import (
     idle_fractions,
     max_in_flight,
     simulate,
+    simulate_in_order_batches,
     theoretical_bubble,
 )
 
@@ -71,12 +73,65 @@ def test_interleaved_in_flight_bound(pp, vp, m):
         assert max_in_flight(steps) == min(warmup + 1, vp * m)
 
 
+def sent_after(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[int]]:
+    """Per rank, for each step, the step after which the communication plan sends its result."""
+    result = []
+    for rank, steps in enumerate(orders(pp, vp, m, forward_only)):
+        after = list(range(len(steps)))
+        for post in communication_plan(steps, pp, rank, vp):
+            for i in post.sends:
+                after[i] = post.after
+        result.append(after)
+    return result
+
+
 @pytest.mark.parametrize("pp,vp,m", LAYOUTS)
 def test_simulated_schedule_has_no_deadlock_and_the_theoretical_bubble(pp, vp, m):
     for forward_time, backward_time in ((1.0, 2.0), (1.0, 1.0)):
-        events = simulate(orders(pp, vp, m), vp, forward_time / vp, backward_time / vp)
-        assert idle_fractions(events) == pytest.approx([theoretical_bubble(pp, vp, m)] * pp, abs=1e-9)
-    simulate(orders(pp, vp, m, forward_only=True), vp)
+        for plan in (None, sent_after(pp, vp, m)):  # results sent at once, and as the communication plan does
+            events = simulate(orders(pp, vp, m), vp, forward_time / vp, backward_time / vp, plan)
+            assert idle_fractions(events) == pytest.approx([theoretical_bubble(pp, vp, m)] * pp, abs=1e-9)
+    simulate(orders(pp, vp, m, forward_only=True), vp, sent_after=sent_after(pp, vp, m, forward_only=True))
+
+
+def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[list[tuple[str, int, int]]]]:
+    """Each rank's p2p batches as the executor issues them: activations (tag 0) go to rank + 1, gradients
+    (tag 1) to rank - 1, on the ring."""
+    batches = []
+    for rank, steps in enumerate(orders(pp, vp, m, forward_only)):
+        following, preceding = (rank + 1) % pp, (rank - 1) % pp
+        batches.append([
+            [("send", following, 0) if steps[i].kind == "F" else ("send", preceding, 1) for i in post.sends]
+            + [("recv", preceding, 0) if steps[i].kind == "F" else ("recv", following, 1) for i in post.receives]
+            for post in communication_plan(steps, pp, rank, vp)
+        ])
+    return batches
+
+
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_communication_plan_cannot_deadlock_on_in_order_streams(pp, vp, m):
+    """NCCL runs a rank's batches in order on one stream: the plan must not deadlock under that rule."""
+    simulate_in_order_batches(plan_batches(pp, vp, m))
+    simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True))
+    for rank, steps in enumerate(orders(pp, vp, m)):
+        posts = communication_plan(steps, pp, rank, vp)
+        received = [i for post in posts for i in post.receives]
+        sent = [i for post in posts for i in post.sends]
+        assert received == sorted(set(received)) and sent == sorted(set(sent))
+        assert all(post.after < i for post in posts for i in post.receives)  # posted before the step runs
+        assert all(i <= post.after for post in posts for i in post.sends)  # sent once computed
+        assert all(len({steps[i].kind for i in group}) == len(group)  # one operation per direction
+                   for post in posts for group in (post.sends, post.receives))
+
+
+def test_in_order_stream_model_catches_the_naive_plan():
+    """Sending each result at once and posting each receive a step ahead (enough on gloo) deadlocks on
+    in-order streams already for 2 stages and 1 micro batch: each rank first waits for a message that
+    its peer posts only after a receive of its own. One batch of both operations on rank 0 runs."""
+    rank_1 = [[("recv", 0, 0)], [("send", 0, 1)]]  # F0's input, then B0's gradient
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_in_order_batches([[[("recv", 1, 1)], [("send", 1, 0)]], rank_1])
+    simulate_in_order_batches([[[("recv", 1, 1), ("send", 1, 0)]], rank_1])
 
 
 def test_simulate_reports_a_deadlock():
