@@ -89,9 +89,10 @@ class Stats:
 _worker: dict = {}
 
 
-def _init_worker(args: argparse.Namespace) -> None:
-    _worker["tokenizer"] = _build_tokenizer(args)
-    _worker["args"] = args
+def _init_worker(args: argparse.Namespace, tokenizer=None) -> None:
+    """Set this process's worker state: ``args``, the tokenizer (built unless given) and the token dtype."""
+    tokenizer = tokenizer if tokenizer is not None else _build_tokenizer(args)
+    _worker.update(args=args, tokenizer=tokenizer, dtype=best_fitting_dtype(tokenizer.vocab_size))
 
 
 def _build_tokenizer(args: argparse.Namespace):
@@ -218,8 +219,13 @@ def _ordered_results(args: argparse.Namespace, shards, workers: int):
 
 
 def _init_pool_worker(args: argparse.Namespace) -> None:
-    _init_worker(args)
-    _worker["dtype"] = best_fitting_dtype(_worker["tokenizer"].vocab_size)
+    """Pool initializer: reuse the state ``run_partition`` set up in this process or, forked, in the parent.
+
+    Building a GPT-2 tokenizer costs ~0.1 s (vocabulary json, merges, tiktoken ranks): as much as
+    tokenizing a few MB, so it is built once per run, not once more per worker.
+    """
+    if _worker.get("args") != args:  # a spawned worker starts empty
+        _init_worker(args)
 
 
 def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
@@ -230,8 +236,8 @@ def output_prefixes(args: argparse.Namespace) -> dict[str, str]:
 
 def run_partition(args: argparse.Namespace, shards, prefixes: dict[str, str], workers: int, label: str = "") -> Stats:
     """Binarize ``shards`` into datasets at ``prefixes``; return the counts (nothing written if no docs)."""
-    dtype = best_fitting_dtype(_build_tokenizer(args).vocab_size)
-    builders = {key: IndexedDatasetBuilder(prefix, dtype) for key, prefix in prefixes.items()}
+    _init_worker(args)  # fails here, before any output, when the tokenizer files are unreadable
+    builders = {key: IndexedDatasetBuilder(prefix, _worker["dtype"]) for key, prefix in prefixes.items()}
     stats = Stats()
     progress = _common.Progress(args.log_interval, label)
     try:

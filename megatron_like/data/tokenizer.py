@@ -9,6 +9,7 @@ load this module.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -55,13 +56,13 @@ class _HFEngineTokenizer(Tokenizer):
 
     def __init__(self, engine) -> None:
         self._engine = engine
-        self._batch = getattr(engine, "encode_batch_fast", engine.encode_batch)
 
     def tokenize(self, text: str) -> list[int]:
         return self._engine.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._batch(list(texts), add_special_tokens=False)]
+        batch = getattr(self._engine, "encode_batch_fast", self._engine.encode_batch)
+        return [e.ids for e in batch(list(texts), add_special_tokens=False)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._engine.decode(list(ids), skip_special_tokens=False)
@@ -74,13 +75,12 @@ class GPT2BPETokenizer(_HFEngineTokenizer):
     cannot inject end-of-document ids; ``eod`` is the id of ``<|endoftext|>`` in the vocabulary (50256).
     Encoding runs on ``tiktoken`` when it is installed (about 4x faster than ``tokenizers`` per thread),
     else on ``tokenizers``; ``engine`` or env ``MEGATRON_LIKE_BPE_ENGINE`` ('tiktoken'/'tokenizers')
-    forces one. Both give GPT-2's ids (tests compare them with a pure-Python BPE).
+    forces one. Both give GPT-2's ids (tests compare them with a pure-Python BPE). On tiktoken the
+    ``tokenizers`` engine (decoding, ``_engine``) is built on first use: building both made the
+    tokenizer cost ~0.1 s, as much as encoding a few MB (``preprocess.py`` builds one per run).
     """
 
     def __init__(self, vocab_file: str | None = None, merge_file: str | None = None, engine: str | None = None) -> None:
-        from tokenizers import Tokenizer as Engine
-        from tokenizers import decoders, models, pre_tokenizers
-
         if (vocab_file is None) != (merge_file is None):
             raise ValueError("GPT2BPETokenizer needs both --vocab-file and --merge-file, or neither")
         if vocab_file is None:
@@ -88,24 +88,34 @@ class GPT2BPETokenizer(_HFEngineTokenizer):
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{flag} {path}: no such file")
-        engine_hf = Engine(models.BPE.from_file(vocab_file, merge_file))
-        engine_hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        engine_hf.decoder = decoders.ByteLevel()
-        super().__init__(engine_hf)
-        eod = engine_hf.token_to_id(GPT2_EOD_TOKEN)
-        if eod is None:
-            raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN} token")
-        self.eod = eod
-        self.vocab_size = engine_hf.get_vocab_size()
-        self.engine = "tokenizers"
-        self._tiktoken = None
         wanted = engine or os.environ.get("MEGATRON_LIKE_BPE_ENGINE") or "auto"
         if wanted not in ("auto", "tiktoken", "tokenizers"):
             raise ValueError(f"BPE engine {wanted!r} is not 'tiktoken' or 'tokenizers'")
-        if wanted != "tokenizers":
-            self._tiktoken = _tiktoken_encoding(vocab_file, eod, required=wanted == "tiktoken")
-            if self._tiktoken is not None:
-                self.engine = "tiktoken"
+        self._files = (vocab_file, merge_file)
+        self._tiktoken = None
+        found = _tiktoken_encoding(vocab_file, required=wanted == "tiktoken") if wanted != "tokenizers" else None
+        if found is not None:
+            self._tiktoken, self.vocab_size = found
+            self.engine = "tiktoken"
+            self.eod = self._tiktoken.eot_token
+        else:
+            self.engine = "tokenizers"
+            eod = self._engine.token_to_id(GPT2_EOD_TOKEN)
+            if eod is None:
+                raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN} token")
+            self.eod = eod
+            self.vocab_size = self._engine.get_vocab_size()
+
+    @functools.cached_property
+    def _engine(self):
+        """The ``tokenizers`` engine of the vocabulary and merges files."""
+        from tokenizers import Tokenizer as Engine
+        from tokenizers import decoders, models, pre_tokenizers
+
+        engine = Engine(models.BPE.from_file(*self._files))
+        engine.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        engine.decoder = decoders.ByteLevel()
+        return engine
 
     def tokenize(self, text: str) -> list[int]:
         if self._tiktoken is not None:
@@ -122,12 +132,13 @@ class GPT2BPETokenizer(_HFEngineTokenizer):
 GPT2_SPLIT_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def _tiktoken_encoding(vocab_file: str, eod: int, required: bool):
-    """Return a tiktoken Encoding of a GPT-2-format vocabulary, or None when tiktoken is missing.
+def _tiktoken_encoding(vocab_file: str, required: bool):
+    """Return (tiktoken Encoding, vocabulary size) of a GPT-2-format vocabulary, or None without tiktoken.
 
     tiktoken merges the adjacent pair whose concatenation has the lowest id, which is GPT-2's merge
     order because each merged token's id is its merge's rank (true of GPT-2's files and of
-    ``train_tokenizer.py``'s output; tests check both against the reference BPE).
+    ``train_tokenizer.py``'s output; tests check both against the reference BPE). ``<|endoftext|>``
+    is its special token (``eot_token``); the size counts the file's tokens, as ``tokenizers`` does.
     """
     try:
         import tiktoken
@@ -142,16 +153,22 @@ def _tiktoken_encoding(vocab_file: str, eod: int, required: bool):
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     with open(vocab_file, encoding="utf-8") as f:
         vocab = json.load(f)
-    try:
-        ranks = {bytes(byte_of[c] for c in tok): i for tok, i in vocab.items() if tok != GPT2_EOD_TOKEN}
-    except KeyError:
+    eod = vocab.pop(GPT2_EOD_TOKEN, None)
+    if eod is None:
+        raise ValueError(f"--vocab-file {vocab_file} has no {GPT2_EOD_TOKEN} token")
+    if not set("".join(vocab)) <= byte_of.keys():
         if required:
-            raise ValueError(f"--vocab-file {vocab_file} has tokens outside the byte alphabet") from None
+            raise ValueError(f"--vocab-file {vocab_file} has tokens outside the byte alphabet")
         return None
+    # Each alphabet character -> the latin-1 character of its byte, so one C-level translate + encode per
+    # token gives its bytes (a per-character generator made this the slowest part of building the tokenizer).
+    to_latin1 = str.maketrans({c: chr(b) for c, b in byte_of.items()})
+    ranks = {tok.translate(to_latin1).encode("latin-1"): i for tok, i in vocab.items()}
     name = f"gpt2bpe-{os.path.basename(vocab_file)}"
-    return tiktoken.Encoding(
+    encoding = tiktoken.Encoding(
         name, pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={GPT2_EOD_TOKEN: eod}
     )
+    return encoding, len(ranks) + 1
 
 
 class HuggingFaceTokenizer(_HFEngineTokenizer):
