@@ -133,19 +133,22 @@ def parse_request(raw: bytes, loaded: InferenceModel, limits: Limits) -> tuple[l
 # --------------------------------------------------------------------------------------------------
 
 
-def broadcast_request(request: dict | None) -> dict | None:
-    """Send rank 0's ``request`` (None = stop) to every rank; returns it everywhere."""
+def broadcast_request(request: dict | None, device: torch.device) -> dict | None:
+    """Send rank 0's ``request`` (None = stop) to every rank; returns it everywhere.
+
+    The bytes travel in tensors on ``device`` (the model's): NCCL broadcasts device tensors only.
+    """
     if not dist.is_initialized():
         return request
     world = dist.group.WORLD
     payload = json.dumps(request).encode() if dist.get_rank() == 0 else b""
-    size = comm.broadcast(torch.tensor([len(payload)], dtype=torch.long), 0, world)
+    size = comm.broadcast(torch.tensor([len(payload)], dtype=torch.long, device=device), 0, world)
     if payload:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     else:
-        data = torch.empty(int(size), dtype=torch.uint8)
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
     comm.broadcast(data, 0, world)
-    return json.loads(data.numpy().tobytes().decode())
+    return json.loads(data.cpu().numpy().tobytes().decode())
 
 
 def run_request(loaded: InferenceModel, request: dict) -> list:
@@ -208,7 +211,7 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
             request = {"ids": ids, "params": vars(params)}
             with lock:
                 try:
-                    results = run_request(loaded, broadcast_request(request))
+                    results = run_request(loaded, broadcast_request(request, loaded.model[0].ps.device))
                 except ValueError as error:  # every rank raised the same before any collective
                     return self.reply(400, {"message": str(error)})
             return self.reply(200, answer(loaded, prompts, results, params.num_beams > 1))
@@ -244,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         cli.fail(str(error))
     limits = Limits(args.max_prompts, args.max_prompt_tokens, args.max_tokens_to_generate)
     if ps.rank != 0:  # follow rank 0's requests until it stops
-        while (request := broadcast_request(None)) is not None:
+        while (request := broadcast_request(None, ps.device)) is not None:
             with contextlib.suppress(ValueError):  # rank 0 answers the client with the same error
                 run_request(loaded, request)
         ps.destroy()
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         pass
     finally:
         server.server_close()
-        broadcast_request(None)
+        broadcast_request(None, ps.device)
         ps.destroy()
 
 

@@ -42,7 +42,7 @@ def pipelined_forward(chunk: GPTModel, tokens: torch.Tensor, labels: torch.Tenso
 def _from_last_stage(chunk: GPTModel, values: Sequence[float]) -> list[float]:
     """Broadcast a few numbers from the last pipeline stage to every stage."""
     ps = chunk.ps
-    tensor = torch.tensor(list(values), dtype=torch.float64)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=ps.device)  # NCCL takes device tensors only
     if ps.pp_size > 1:
         comm.broadcast(tensor, ps.pp_global_ranks[-1], ps.pp_group)
     return tensor.tolist()

@@ -213,7 +213,7 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
 
 def _shared_random_seed(ps) -> int:
     """A fresh seed, the same on every rank of the model (all must sample identically)."""
-    seed = torch.tensor([torch.seed() % 2**62], dtype=torch.long)
+    seed = torch.tensor([torch.seed() % 2**62], dtype=torch.long, device=ps.device)  # NCCL: device tensors only
     if ps.model_parallel_group is not None:
         comm.broadcast(seed, ps.rank_of(0, ps.dp_rank, 0), ps.model_parallel_group)
     return int(seed)

@@ -45,6 +45,15 @@ class StepResult:
     """Global gradient norm before clipping (None for a skipped step)."""
 
 
+def _needs_host_copy(grad_shard: torch.Tensor, master_device: torch.device) -> bool:
+    """Whether the optimizer needs its own copy of ``grad_shard`` on ``master_device``.
+
+    True only with ``--optimizer-cpu-offload`` on a GPU; on CPU the master gradient *is* the shard.
+    Tests replace this function to run the GPU's copy path on CPU.
+    """
+    return grad_shard.device != master_device
+
+
 @dataclass
 class _Segment:
     master: torch.Tensor  # [n] fp32 view of the master shard
@@ -73,8 +82,8 @@ class DistributedOptimizer:
             param_shard = bucket.param_shard
             alias = param_shard.dtype == torch.float32 and param_shard.device == master_device
             master = param_shard if alias else param_shard.detach().to(master_device, torch.float32, copy=True)
-            grad = bucket.grad_shard if bucket.grad_shard.device == master_device else torch.zeros(
-                bucket.shard_numel, dtype=torch.float32, device=master_device)
+            grad = torch.zeros(bucket.shard_numel, dtype=torch.float32, device=master_device) \
+                if _needs_host_copy(bucket.grad_shard, master_device) else bucket.grad_shard
             self.masters.append(master)
             self.master_grads.append(grad)
             self.master_is_param.append(alias)
@@ -149,15 +158,16 @@ class DistributedOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return StepResult(successful=False, grad_norm=None)
-        norm = self.grad_norm()
-        grads = [b.grad_shard for b in self.buckets]
-        if self.config.clip_grad > 0 and math.isfinite(norm):
-            coefficient = self.config.clip_grad / (norm + 1e-6)
-            if coefficient < 1.0:
-                torch._foreach_mul_(grads, coefficient)
+        # The norm, clipping and AdamW read master_grads: with offload on a GPU these are host copies of
+        # the device shards, so refresh them first (a blocking device-to-host copy).
         for bucket, grad in zip(self.buckets, self.master_grads):
             if grad is not bucket.grad_shard:
                 grad.copy_(bucket.grad_shard)
+        norm = self.grad_norm()
+        if self.config.clip_grad > 0 and math.isfinite(norm):
+            coefficient = self.config.clip_grad / (norm + 1e-6)
+            if coefficient < 1.0:
+                torch._foreach_mul_(self.master_grads, coefficient)
         if self.cpu_offload:
             self.inner.step(param_copies=self.param_copies)
         else:

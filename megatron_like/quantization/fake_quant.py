@@ -79,11 +79,12 @@ class ActivationFakeQuant(nn.Module):
     without ``amax`` (a float model starting QAT) leaves the range unset: the first training batch sets it.
     """
 
-    def __init__(self, moving_rate: float = 0.9, tp_group: Group = None) -> None:
+    def __init__(self, moving_rate: float = 0.9, tp_group: Group = None, device: torch.device | None = None) -> None:
         super().__init__()
         self.moving_rate, self.tp_group = moving_rate, tp_group
-        self.register_buffer("amax", torch.zeros(()))
-        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        # On the activations' device: the range is updated in place from each batch's (device) maximum.
+        self.register_buffer("amax", torch.zeros((), device=device))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool, device=device))
 
     def current_amax(self, x: torch.Tensor) -> torch.Tensor:
         amax = x.detach().abs().amax().float().reshape(1)

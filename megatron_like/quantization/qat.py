@@ -80,7 +80,7 @@ def insert_fake_quant(model: nn.Module, ps: ParallelState, moving_rate: float = 
         row = isinstance(module, RowParallelLinear)
         input_sharded = row or module.sequence_parallel
         module.__class__ = QAT_CLASSES[type(module)]
-        module.input_quantizer = ActivationFakeQuant(moving_rate, ps.tp_group if input_sharded else None)
+        module.input_quantizer = ActivationFakeQuant(moving_rate, ps.tp_group if input_sharded else None, ps.device)
         module.weight_quantizer = WeightFakeQuant(ps.tp_group if row else None)
         names.append(name)
     return names

@@ -101,7 +101,13 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore :func:`rng_state`'s output."""
+    """Restore :func:`rng_state`'s output.
+
+    ``load_checkpoint`` maps tensors to the run's device, but generator states must be CPU byte tensors
+    (also for ``torch.cuda.set_rng_state``) and numpy's keys need host memory: bring them back first.
+    """
+    state = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    state["tracker"] = {name: value.cpu() for name, value in state["tracker"].items()}
     random.setstate((3, tuple(state["python"]), state["python_pos"]))
     np.random.set_state(("MT19937", state["numpy_keys"].numpy().astype(np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
