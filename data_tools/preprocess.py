@@ -19,6 +19,7 @@ error (no input, unreadable tokenizer, no good document: nothing is written); 2 
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import multiprocessing
@@ -99,6 +100,16 @@ def _build_tokenizer(args: argparse.Namespace):
     return build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size)
 
 
+def _encodable(texts: list[str]) -> bool:
+    """Return whether every text encodes to UTF-8 (False when a JSON escape left a lone surrogate)."""
+    try:
+        for text in texts:
+            text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str, list[str]] | None]:
     """Return ('ok', {key: texts}) or (bad kind, None) for one raw jsonl line."""
     try:
@@ -113,6 +124,9 @@ def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str
         return "invalid_json", None
     if not isinstance(obj, dict):
         return "not_an_object", None
+    # Only a \uD800-\uDFFF escape decodes to a surrogate (the line itself is valid UTF-8), so the
+    # encode check (a copy of every text) runs only on lines that hold one.
+    may_hold_surrogates = b"\\ud" in raw or b"\\uD" in raw
     texts: dict[str, list[str]] = {}
     for key in keys:
         if key not in obj:
@@ -124,10 +138,7 @@ def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str
             pieces = value  # already split into sentences
         else:
             return "not_string", None
-        try:  # JSON escapes can hold lone surrogates, which no tokenizer can encode
-            for piece in pieces:
-                piece.encode("utf-8")
-        except UnicodeEncodeError:
+        if may_hold_surrogates and not _encodable(pieces):  # lone surrogates: no tokenizer can encode them
             return "undecodable", None
         if split:
             pieces = [s for p in pieces for s in split_sentences(p)]
@@ -151,34 +162,46 @@ def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int] | None]:
         return out
 
 
-def encode_batch(batch: list[tuple[str, int, bytes]]) -> tuple[list[tuple[str, str]], dict, int, int]:
+def _split_lines(blob: bytes) -> list[bytes]:
+    """Return the lines of ``blob`` (whole lines, each ended by b'\\n' but perhaps the last) without
+    their line ends, as ``_common.iter_lines`` yields them."""
+    lines = blob.split(b"\n")
+    if blob.endswith(b"\n"):
+        lines.pop()
+    return [line.rstrip(b"\r") for line in lines]
+
+
+def encode_batch(batch: tuple[str, int, bytes]) -> tuple[list[tuple[str, str]], dict, int, int]:
     """Return (bad [(kind, 'file:line')], {key: (tokens, sequence lengths, sequences per doc)}, docs, bytes).
 
-    ``batch`` holds (file, line number, raw line). Documents are in input order.
+    ``batch`` is (file, number of its first line, raw bytes of consecutive whole lines): one bytes object
+    is cheap to pickle to a worker, and splitting it here keeps per-line work out of the main process.
+    Per key: tokens [sum(sequence lengths)] in the dataset dtype, sequence lengths [sequences] and
+    sequences per doc [docs], both int64; documents are in input order.
     """
     args, tokenizer, dtype = _worker["args"], _worker["tokenizer"], _worker["dtype"]
     keys = args.json_keys
+    path, first_line, blob = batch
+    lines = _split_lines(blob)
     bad: list[tuple[str, str]] = []
-    parsed: list[tuple[str, dict[str, list[str]]]] = []
-    nbytes = 0
-    for path, line_no, raw in batch:
-        nbytes += len(raw) + 1
+    parsed: list[tuple[int, dict[str, list[str]]]] = []
+    for i, raw in enumerate(lines):
         kind, texts = _parse_line(raw, keys, args.split_sentences)
         if texts is None:
-            bad.append((kind, f"{path}:{line_no}"))
+            bad.append((kind, f"{path}:{first_line + i}"))
         else:
-            parsed.append((f"{path}:{line_no}", texts))
+            parsed.append((first_line + i, texts))
     flat_ids = iter(_tokenize_all(tokenizer, [t for _, texts in parsed for key in keys for t in texts[key]]))
     per_key: dict[str, tuple[list, list]] = {key: ([], []) for key in keys}
     docs = 0
-    for where, texts in parsed:
+    for line_no, texts in parsed:
         encoded = {key: [next(flat_ids) for _ in texts[key]] for key in keys}
         if any(ids is None for pieces in encoded.values() for ids in pieces):
-            bad.append(("tokenizer_error", where))
+            bad.append(("tokenizer_error", f"{path}:{line_no}"))
             continue
         encoded = {key: [ids for ids in pieces if ids] for key, pieces in encoded.items()}
         if any(not pieces for pieces in encoded.values()):
-            bad.append(("empty_text", where))
+            bad.append(("empty_text", f"{path}:{line_no}"))
             continue
         docs += 1
         for key in keys:
@@ -186,30 +209,59 @@ def encode_batch(batch: list[tuple[str, int, bytes]]) -> tuple[list[tuple[str, s
             if args.append_eod:
                 pieces[-1] = pieces[-1] + [tokenizer.eod]
             per_key[key][0].extend(pieces)
-            per_key[key][1].append([len(ids) for ids in pieces])
-    out = {}
-    for key, (pieces, doc_lengths) in per_key.items():
-        total = sum(len(ids) for ids in pieces)
-        tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=total)
-        sequence_lengths = [n for lengths in doc_lengths for n in lengths]
-        out[key] = (tokens, sequence_lengths, [len(lengths) for lengths in doc_lengths])
+            per_key[key][1].append(len(pieces))
+    out = {key: _pack(pieces, per_doc, dtype) for key, (pieces, per_doc) in per_key.items()}
+    nbytes = sum(map(len, lines)) + len(lines)  # the line ends count as one byte each
     return bad, out, docs, nbytes
+
+
+def _pack(pieces: list[list[int]], sequences_per_doc: list[int], dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (tokens [sum of lengths] of ``dtype``, sequence lengths [sequences], sequences per doc [docs]).
+
+    Arrays, not lists, go back to the main process: a numpy array pickles as one buffer.
+    """
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=int(lengths.sum()))
+    return tokens, lengths, np.asarray(sequences_per_doc, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Main side: read, dispatch, write in order.
 
 
+def _line_blocks(path: str, start: int, end: int | None, first_line: int, batch_lines: int):
+    """Yield (number of the first line, raw bytes of up to ``batch_lines`` whole lines) of one shard.
+
+    The lines are those ``_common.iter_lines(path, start, end, first_line)`` yields (a line that starts
+    before ``end`` is read whole), but read ``batch_lines`` at a time in C (``islice`` over the file, one
+    join) instead of one Python step per line: the main process only moves bytes.
+    """
+    with _common.open_binary(path) as f:
+        if start:
+            f.seek(start)
+        position, line_no = start, first_line
+        while True:
+            lines = list(itertools.islice(f, batch_lines))
+            last = len(lines) < batch_lines  # end of file
+            if end is not None:  # keep the lines that start before `end`
+                starts = list(itertools.accumulate(map(len, lines), initial=position))
+                kept = bisect.bisect_left(starts, end, hi=len(lines))
+                last = last or kept < len(lines)
+                lines = lines[:kept]
+            if lines:
+                blob = b"".join(lines)
+                yield line_no, blob
+                position += len(blob)
+                line_no += len(lines)
+            if last:
+                return
+
+
 def _batches(shards: list[tuple[str, int, int | None, int]], batch_lines: int):
-    batch = []
+    """Yield ``encode_batch`` tasks (file, first line number, raw lines) over the shards in order."""
     for path, start, end, first_line in shards:
-        for line_no, raw in _common.iter_lines(path, start, end, first_line):
-            batch.append((path, line_no, raw))
-            if len(batch) >= batch_lines:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+        for line_no, blob in _line_blocks(path, start, end, first_line, batch_lines):
+            yield path, line_no, blob
 
 
 def _ordered_results(args: argparse.Namespace, shards, workers: int):

@@ -213,3 +213,29 @@ def test_merge_datasets(tmp_path):
     (tmp_path / "parts" / "b_text_document.bin").write_bytes(b"\x00")
     proc = run_tool("merge_datasets.py", "--input", tmp_path / "parts", "--output-prefix", tmp_path / "m2", check=False)
     assert proc.returncode == 1 and "b_text_document.bin" in proc.stderr and not (tmp_path / "m2.idx").exists()
+
+
+def test_line_blocks_read_the_lines_iter_lines_reads(tmp_path):
+    # The main process reads raw line blocks and the workers split them: together they must give exactly
+    # _common.iter_lines' lines (CRLF ends stripped, blank lines and an unterminated last line kept) and
+    # numbers, for shards that end mid-line (a line starting before `end` is read whole).
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import _common
+        import preprocess
+    finally:
+        sys.path.pop(0)
+    data = b'{"a": 1}\r\n\n\r\nxy\r\r\nlong line with words\n{"b": 2}\nno end'
+    path = tmp_path / "lines.jsonl"
+    path.write_bytes(data)
+    starts = [0] + [i + 1 for i, byte in enumerate(data) if byte == ord("\n")]
+    for line_index, start in enumerate(starts):
+        for end in [None, *range(start, len(data) + 2)]:
+            expected = list(_common.iter_lines(str(path), start, end, line_index + 1))
+            for batch_lines in (1, 2, 3, 100):
+                got = []
+                for first, blob in preprocess._line_blocks(str(path), start, end, line_index + 1, batch_lines):
+                    lines = preprocess._split_lines(blob)
+                    assert 1 <= len(lines) <= batch_lines
+                    got += [(first + i, line) for i, line in enumerate(lines)]
+                assert got == expected, (start, end, batch_lines)
