@@ -116,7 +116,7 @@ def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str
         line = raw.decode("utf-8")
     except UnicodeDecodeError:
         return "undecodable", None
-    if not line.strip():
+    if not line or line.isspace():  # not line.strip(), which copies the line
         return "blank_line", None
     try:
         obj = json.loads(line)
@@ -146,17 +146,17 @@ def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str
     return "ok", texts
 
 
-def _tokenize_all(tokenizer, texts: list[str]) -> list[list[int] | None]:
-    """Return the ids of each text; None where the tokenizer rejects it (then retried one by one)."""
+def _tokenize_all(tokenizer, texts: list[str]) -> list[np.ndarray | None]:
+    """Return the ids [ids] of each text; None where the tokenizer rejects it (then retried one by one)."""
     if not texts:
         return []
     try:
-        return tokenizer.tokenize_batch(texts)
+        return tokenizer.tokenize_arrays(texts)
     except Exception:
-        out: list[list[int] | None] = []
+        out: list[np.ndarray | None] = []
         for text in texts:
             try:
-                out.append(tokenizer.tokenize(text))
+                out.append(tokenizer.tokenize_arrays([text])[0])
             except Exception:
                 out.append(None)
         return out
@@ -192,37 +192,46 @@ def encode_batch(batch: tuple[str, int, bytes]) -> tuple[list[tuple[str, str]], 
         else:
             parsed.append((first_line + i, texts))
     flat_ids = iter(_tokenize_all(tokenizer, [t for _, texts in parsed for key in keys for t in texts[key]]))
-    per_key: dict[str, tuple[list, list]] = {key: ([], []) for key in keys}
+    eod = np.array([tokenizer.eod] if args.append_eod else [], dtype=np.int64)
+    # Per key: id arrays to concatenate, sequence lengths [sequences], sequences per doc [docs].
+    per_key: dict[str, tuple[list, list, list]] = {key: ([], [], []) for key in keys}
     docs = 0
     for line_no, texts in parsed:
         encoded = {key: [next(flat_ids) for _ in texts[key]] for key in keys}
         if any(ids is None for pieces in encoded.values() for ids in pieces):
             bad.append(("tokenizer_error", f"{path}:{line_no}"))
             continue
-        encoded = {key: [ids for ids in pieces if ids] for key, pieces in encoded.items()}
+        encoded = {key: [ids for ids in pieces if len(ids)] for key, pieces in encoded.items()}
         if any(not pieces for pieces in encoded.values()):
             bad.append(("empty_text", f"{path}:{line_no}"))
             continue
         docs += 1
-        for key in keys:
-            pieces = encoded[key]
-            if args.append_eod:
-                pieces[-1] = pieces[-1] + [tokenizer.eod]
-            per_key[key][0].extend(pieces)
-            per_key[key][1].append(len(pieces))
-    out = {key: _pack(pieces, per_doc, dtype) for key, (pieces, per_doc) in per_key.items()}
+        for key, pieces in encoded.items():
+            chunks, lengths, per_doc = per_key[key]
+            chunks += pieces
+            lengths += map(len, pieces)
+            if eod.size:  # a shared [eod] chunk: appending to the last piece would copy it
+                chunks.append(eod)
+                lengths[-1] += 1
+            per_doc.append(len(pieces))
+    out = {key: _pack(*lists, dtype) for key, lists in per_key.items()}
     nbytes = sum(map(len, lines)) + len(lines)  # the line ends count as one byte each
     return bad, out, docs, nbytes
 
 
-def _pack(pieces: list[list[int]], sequences_per_doc: list[int], dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return (tokens [sum of lengths] of ``dtype``, sequence lengths [sequences], sequences per doc [docs]).
+def _pack(chunks: list[np.ndarray], lengths: list[int], per_doc: list[int], dtype) -> tuple[np.ndarray, ...]:
+    """Return (tokens [sum(lengths)] of ``dtype``: the chunks back to back, lengths, per_doc) as arrays.
 
-    Arrays, not lists, go back to the main process: a numpy array pickles as one buffer.
+    Arrays, not lists, go back to the main process: a numpy array pickles as one buffer. The lengths and
+    sequences per document are int64. An id that ``dtype`` cannot hold raises OverflowError.
     """
-    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
-    tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=dtype, count=int(lengths.sum()))
-    return tokens, lengths, np.asarray(sequences_per_doc, dtype=np.int64)
+    if not chunks:
+        return np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    ids = np.concatenate(chunks)
+    info = np.iinfo(dtype)
+    if ids.min() < info.min or ids.max() > info.max:
+        raise OverflowError(f"a token id is out of the {np.dtype(dtype).name} range of the dataset")
+    return ids.astype(dtype, copy=False), np.asarray(lengths, dtype=np.int64), np.asarray(per_doc, dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -81,6 +81,16 @@ def test_batch_equals_single(fast):
     assert fast.tokenize_batch(TRICKY) == [fast.tokenize(t) for t in TRICKY]
 
 
+def test_arrays_equal_lists(fast, slow):
+    # preprocess.py tokenizes through tokenize_arrays (tiktoken's buffer, no Python ints); the ids must
+    # be those of tokenize, "<|endoftext|>" in a text included.
+    texts = [*TRICKY, "a<|endoftext|>b"]
+    for tok, cases in ((fast, texts), (slow, texts), (NullTokenizer(10), ["1 2 3", ""])):
+        arrays = tok.tokenize_arrays(cases)
+        assert all(a.ndim == 1 and a.dtype.kind in "iu" for a in arrays)
+        assert [a.tolist() for a in arrays] == [tok.tokenize(t) for t in cases]
+
+
 def test_endoftext_in_text_is_plain_text(fast, slow):
     # A corpus cannot inject end-of-document ids: OpenAI's encoder treats the string as text.
     ids = fast.tokenize("a<|endoftext|>b")
