@@ -1,5 +1,6 @@
-"""Preprocessing throughput: our GPT-2 BPE (Rust ``tokenizers``) vs the pure-Python GPT-2 BPE, and the
-time to build the GPT dataset indices of a large synthetic dataset (numpy fallback vs C++ helper).
+"""Preprocessing throughput: our GPT-2 BPE (tiktoken, else Rust ``tokenizers``) vs the pure-Python GPT-2
+BPE, and the time to build the GPT dataset indices of a large synthetic dataset (numpy fallback vs C++
+helper).
 
     python benchmarks/preprocess.py                      # demo corpus x 2, workers 1 and 2
     python benchmarks/preprocess.py --copies 10 --workers 1 2 --index-tokens 1e9
