@@ -148,7 +148,12 @@ class ParallelState:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
-            dist.init_process_group(backend=backend, timeout=timeout, **_restart_safe_store(timeout))
+            # With NCCL, device_id binds the process to its GPU and forms NCCL's world communicator now, with
+            # every rank: the pipeline's first batch_isend_irecv (between neighbours only) must not be the
+            # world group's first operation (torch documents that case as undefined with NCCL).
+            device_id = device if backend == "nccl" else None
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id,
+                                    **_restart_safe_store(timeout))
         state = cls(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp), rank=dist.get_rank())
         state.device, state.backend = device, backend
         state._build_groups()

@@ -52,7 +52,7 @@ def _canonical_mask(mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         mask = mask.view(1, 1, *mask.shape)
     if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (sq, sk) or mask.shape[0] not in (1, b):
         return None
-    if mask.device.type != "cpu":
+    if mask.device != x.device:  # the kernel (C++ or its CUDA twin) reads the mask where x lives
         return None
     mask = mask.contiguous()
     return mask.view(torch.uint8) if mask.dtype == torch.bool else (mask != 0).view(torch.uint8)
