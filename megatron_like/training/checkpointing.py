@@ -103,8 +103,9 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore :func:`rng_state`'s output.
 
-    ``load_checkpoint`` maps tensors to the run's device, but generator states must be CPU byte tensors
-    (also for ``torch.cuda.set_rng_state``) and numpy's keys need host memory: bring them back first.
+    Generator states must be CPU byte tensors (also for ``torch.cuda.set_rng_state``) and numpy's keys
+    need host memory; ``load_checkpoint`` reads to the CPU, and a state that was moved to a device is
+    brought back first.
     """
     state = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
     state["tracker"] = {name: value.cpu() for name, value in state["tracker"].items()}
@@ -221,7 +222,10 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint file {path} is missing (saved with another --tensor/--pipeline-"
                               f"model-parallel-size? {RESHARD_HINT})")
-    state = torch.load(path, map_location=ps.device, weights_only=True)
+    # Load to host memory, as Megatron does: load_state_dict copies weights to their device and casts
+    # optimizer moments to their parameter's, while step counters and RNG states stay on the CPU where
+    # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
+    state = torch.load(path, map_location="cpu", weights_only=True)
     check_compatible(state, config, path)
     for chunk, chunk_state in zip(model, state["model"]):
         chunk.load_state_dict(chunk_state)
@@ -231,7 +235,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     if ps.dp_rank > 0:
         own_path = rank_file(directory, ps.dp_rank)
         if os.path.exists(own_path):
-            own = torch.load(own_path, map_location=ps.device, weights_only=True)
+            own = torch.load(own_path, map_location="cpu", weights_only=True)
         elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:
             raise CheckpointError(f"checkpoint file {own_path} (this rank's ZeRO shard) is missing; {RESHARD_HINT}")
     if optimizer is not None and config.checkpoint.load_optim and state.get("optimizer") is not None:
