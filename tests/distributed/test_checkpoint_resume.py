@@ -1,6 +1,7 @@
 """Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
 
-Layouts: tp2 x pp2, and ZeRO-2 over dp2 (every dp rank saves its own optimizer shard and RNG states).
+Layouts: tp2 x pp2, and ZeRO-2 over dp2 (every dp rank saves its own optimizer shard and RNG states),
+also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
 @pytest.mark.parametrize(
     "world_size,layout",
     [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-     (2, ["--zero-stage", "2"])],
-    ids=["tp2-pp2", "zero2-dp2"],
+     (2, ["--zero-stage", "2"]),
+     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"])],
+    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:
