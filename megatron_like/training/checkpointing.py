@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -94,6 +95,7 @@ def rng_state() -> dict[str, Any]:
         "numpy_pos": int(np_state[2]),
         "torch": torch.get_rng_state(),
         "tracker": get_rng_tracker().get_states(),
+        "tracker_device": get_rng_tracker().device_type,
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -114,7 +116,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    get_rng_tracker().set_states(state["tracker"])
+    tracker = get_rng_tracker()
+    saved_on = state.get("tracker_device", "cpu")
+    if saved_on == tracker.device_type:
+        tracker.set_states(state["tracker"])
+    else:  # a CPU generator state is no CUDA one: the run keeps its freshly seeded dropout streams
+        warnings.warn(f"checkpoint RNG states were saved on {saved_on}, this run is on {tracker.device_type}: "
+                      "tensor-parallel dropout streams restart from --seed (training continues, not bitwise)",
+                      stacklevel=2)
 
 
 def optimizer_is_sharded(optimizer: Any) -> bool:

@@ -6,6 +6,8 @@
   (directly, or through a name it was assigned to) may be an argument of a ``collectives`` call.
 * ``--optimizer-cpu-offload`` on a GPU keeps host copies of the device gradient shards (on CPU the
   optimizer uses the shards themselves). ``test_offload_host_gradient_copies`` runs that copy path on CPU.
+* A checkpoint's tensor-parallel RNG states are generator states of the device type that saved them;
+  resuming on the other type keeps fresh streams with a warning.
 """
 
 from __future__ import annotations
@@ -137,3 +139,27 @@ def test_offload_host_gradient_copies(monkeypatch, clip_grad):
         assert max(norms) > clip_grad  # clipping was active
     for ours, reference in zip(copied_params, params):
         torch.testing.assert_close(ours, reference, rtol=1e-6, atol=1e-7)
+
+
+def test_rng_states_saved_on_another_device_type_keep_the_fresh_streams():
+    """A CPU generator state cannot seed CUDA's generator (nor the reverse): resuming a checkpoint on the
+    other device type keeps the run's freshly seeded tensor-parallel streams and says so."""
+    from megatron_like.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+    from megatron_like.training.checkpointing import rng_state, set_rng_state
+
+    tracker = get_rng_tracker()
+    before = (tracker.device_type, tracker.get_states())
+    try:
+        tracker.reset("cpu")
+        tracker.add(MODEL_PARALLEL_RNG, 7)
+        fresh = tracker.get_states()[MODEL_PARALLEL_RNG]
+        saved = rng_state()
+        other = torch.Generator().manual_seed(8).get_state()
+        with pytest.warns(UserWarning, match="saved on cuda, this run is on cpu"):
+            set_rng_state({**saved, "tracker_device": "cuda", "tracker": {MODEL_PARALLEL_RNG: other[:16]}})
+        assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], fresh)
+        set_rng_state({**saved, "tracker": {MODEL_PARALLEL_RNG: other}})  # same device type: restored
+        assert torch.equal(tracker.get_states()[MODEL_PARALLEL_RNG], other)
+    finally:
+        tracker.reset(before[0])
+        tracker.set_states(before[1])
