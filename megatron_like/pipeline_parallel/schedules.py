@@ -263,9 +263,11 @@ def run_pipeline_steps(
     receiving: dict[int, Received] = {}  # step index -> its posted input
 
     def issue(post: Post) -> None:
-        sent = {steps[i].kind: results.pop(i) for i in post.sends}
+        """Send the results of ``post.sends`` (a forward's output goes to the next stage, a backward's
+        input gradient to the previous one) and post the receives of ``post.receives``, as one batch."""
+        outgoing = {steps[i].kind: results.pop(i) for i in post.sends}
         wanted = {steps[i].kind: i for i in post.receives}
-        from_prev, from_next = p2p.post(sent.get("F"), sent.get("B"), "F" in wanted, "B" in wanted)
+        from_prev, from_next = p2p.post(outgoing.get("F"), outgoing.get("B"), "F" in wanted, "B" in wanted)
         for kind, received in (("F", from_prev), ("B", from_next)):
             if kind in wanted:
                 receiving[wanted[kind]] = received
