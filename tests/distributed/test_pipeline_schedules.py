@@ -124,6 +124,21 @@ def test_communication_plan_cannot_deadlock_on_in_order_streams(pp, vp, m):
                    for post in posts for group in (post.sends, post.receives))
 
 
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_communication_plan_needs_no_tags(pp, vp, m):
+    """NCCL ignores tags: between two ranks, activations and gradients form one stream, so each receiver
+    must ask for the kinds of messages in the order its sender sends them, and still never deadlock."""
+    batches = plan_batches(pp, vp, m)
+    simulate_in_order_batches([[[(kind, peer, 0) for kind, peer, _ in batch] for batch in rank] for rank in batches])
+
+    def tags(rank: int, operation: str, peer: int) -> list[int]:
+        return [tag for batch in batches[rank] for kind, other, tag in batch if (kind, other) == (operation, peer)]
+
+    for sender in range(pp):
+        for receiver in {(sender + 1) % pp, (sender - 1) % pp}:
+            assert tags(sender, "send", receiver) == tags(receiver, "recv", sender)
+
+
 def test_in_order_stream_model_catches_the_naive_plan():
     """Sending each result at once and posting each receive a step ahead (enough on gloo) deadlocks on
     in-order streams already for 2 stages and 1 micro batch: each rank first waits for a message that
