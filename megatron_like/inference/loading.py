@@ -1,8 +1,8 @@
 """Load a checkpoint of any (tp, pp) layout into the model chunk of this rank in the current layout.
 
-Every rank reads the shards it needs through ``megatron_like.model.state`` (merge to full weights, cut
-this rank's slices), so a checkpoint trained at tp=2 x pp=2 generates at tp=2 x pp=1 or in one
-process. The tokenizer comes from the flags or, by default, from the checkpoint's saved config.
+Every rank reads the shards it needs through ``megatron_like.model.state`` (merge its pipeline stage's
+layers to full weights, cut this rank's slices), so a checkpoint trained at tp=2 x pp=2 generates at
+tp=2 x pp=1 or in one process. The tokenizer comes from the flags or, by default, from the checkpoint's saved config.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from megatron_like.config import Config, DataConfig
 from megatron_like.model.gpt import GPTModel, chunk_layers
-from megatron_like.model.state import load_full_state, load_into_model
+from megatron_like.model.state import load_full_state, load_into_model, read_saved_config
 from megatron_like.parallel_state import ParallelState
 
 
@@ -62,7 +62,15 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
     ``model_overrides``: ModelConfig fields to change that do not touch the weights (e.g.
     ``{"bias_gelu_fusion": False}`` for tracing without the C++ kernels).
     """
-    saved, full = load_full_state(load_dir, iteration)
+    saved = read_saved_config(load_dir, iteration)
+    m = saved.model
+    if m.num_attention_heads % ps.tp_size or m.num_layers % ps.pp_size:
+        raise ValueError(
+            f"the checkpoint's {m.num_attention_heads} heads / {m.num_layers} layers do not split over "
+            f"--tensor-model-parallel-size {ps.tp_size} / --pipeline-model-parallel-size {ps.pp_size}"
+        )
+    layers = chunk_layers(m.num_layers, ps.pp_size, ps.pp_rank)
+    _, full = load_full_state(load_dir, iteration, layers=layers)  # this stage's layers, not the whole model
     config = copy.deepcopy(saved)
     config.parallel.tensor_model_parallel_size = ps.tp_size
     config.parallel.pipeline_model_parallel_size = ps.pp_size
@@ -75,11 +83,6 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
             raise ValueError(f"model_overrides: {name!r} is not a ModelConfig field")
         setattr(config.model, name, value)
     m = config.model
-    if m.num_attention_heads % ps.tp_size or m.num_layers % ps.pp_size:
-        raise ValueError(
-            f"the checkpoint's {m.num_attention_heads} heads / {m.num_layers} layers do not split over "
-            f"--tensor-model-parallel-size {ps.tp_size} / --pipeline-model-parallel-size {ps.pp_size}"
-        )
     saved_rows = full["embedding.word_embeddings.weight"].shape[0]
     tokenizer = build_tokenizer_for(config.data, m.vocab_size) if with_tokenizer else None
     if tokenizer is not None:
@@ -92,7 +95,6 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
     if eod is not None and eod >= vocab_size:  # e.g. the null tokenizer's eod just past --vocab-size
         vocab_size = min(eod + 1, saved_rows)
     padded = config.padded_vocab_size(vocab_size)
-    layers = chunk_layers(m.num_layers, ps.pp_size, ps.pp_rank)
     chunk = GPTModel(m, ps, vocab_size=padded, seed=config.training.seed, layers=layers,
                      pre_process=ps.is_first_stage, post_process=ps.is_last_stage, dtype=dtype)
     load_into_model([chunk], {k: v.to(dtype) for k, v in full.items()})

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +79,12 @@ def partition_dim(name: str) -> int | None:
 def to_global_names(chunk_state: dict[str, torch.Tensor], layers: Sequence[int]) -> dict[str, torch.Tensor]:
     """Rename a chunk's ``layers.<i>.`` (index in the chunk) to ``layers.<layers[i]>.`` (global index)."""
     return {_LAYER.sub(lambda m: f"layers.{layers[int(m.group(1))]}.", k): v for k, v in chunk_state.items()}
+
+
+def _layer_of(name: str) -> int | None:
+    """The global layer index of a ``layers.<i>.`` parameter; None for the others."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
 
 
 def _dim_or_replicated(name: str) -> int | None:
@@ -205,11 +211,15 @@ def read_saved_config(root: str, iteration: int | None = None) -> Config:
     return Config.from_dict(_load(path)["config"])
 
 
-def load_full_state(root: str, iteration: int | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
+def load_full_state(root: str, iteration: int | None = None,
+                    layers: Collection[int] | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
     """Merge every ``mp_rank_TT_PPP`` shard of a checkpoint; return (saved config, full state).
 
     The full state has global layer names and the word embedding (and untied output layer) with the
     saved padded vocabulary; a tied copy of the embedding held by the last stage is dropped.
+    ``layers``: merge only these global transformer layers (and every parameter outside the layers:
+    embeddings, final LayerNorm, output layer), so a pipeline stage materializes its own share of a
+    large checkpoint, not all of it (the shards are memory-mapped; unmerged tensors are never read).
     """
     it_dir = checkpoint_iteration_dir(root, iteration)
     config = read_saved_config(root, iteration)
@@ -224,8 +234,10 @@ def load_full_state(root: str, iteration: int | None = None) -> tuple[Config, di
                 raise CheckpointLoadError(f"checkpoint file {path} is missing (saved with tp {tp}, pp {pp})")
             shards.append(_load(path)["model"])
         for v in range(vp):
-            merged = merge_tp([chunks[v] for chunks in shards])
-            full.update(to_global_names(merged, chunk_layers(m.num_layers, pp, pp_rank, vp, v)))
+            named = [to_global_names(chunks[v], chunk_layers(m.num_layers, pp, pp_rank, vp, v)) for chunks in shards]
+            if layers is not None:
+                named = [{k: t for k, t in chunk.items() if _layer_of(k) in (None, *layers)} for chunk in named]
+            full.update(merge_tp(named))
     if not m.untie_embeddings_and_output_weights:
         full.pop("output_layer.weight", None)
     return config, {k: v.clone() for k, v in full.items()}

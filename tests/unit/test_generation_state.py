@@ -68,6 +68,9 @@ def test_any_layout_merges_back_and_loads_into_another(tmp_path, tp, pp, vp, unt
     for name, tensor in full.items():
         got = merged[name][: tensor.shape[0]] if "word" in name or "output_layer" in name else merged[name]
         assert torch.equal(got, tensor), name
+    _, stage = load_full_state(str(tmp_path), layers=[2, 3])  # one pipeline stage's share
+    assert set(stage) == {k for k in full if not k.startswith("layers.") or k.startswith(("layers.2.", "layers.3."))}
+    assert all(torch.equal(stage[k], merged[k]) for k in stage)
     loaded = load_inference_model(str(tmp_path), ps)
     assert loaded.vocab_size == 100 and loaded.tokenizer is None and loaded.eod is None
     ids = torch.randint(0, 100, (2, 9))
