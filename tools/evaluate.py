@@ -3,6 +3,9 @@
     python tools/evaluate.py --load ckpt --task WIKITEXT103 --valid-data wiki.test.txt --overlapping-eval 32
     torchrun --nproc_per_node=2 tools/evaluate.py --load ckpt --tensor-model-parallel-size 2 \\
         --task LAMBADA --valid-data lambada_test.jsonl --strict-lambada
+    torchrun --nproc_per_node=8 tools/evaluate.py --load ckpt --tensor-model-parallel-size 2 ...  # 4 replicas
+
+Processes beyond one tp x pp model replica form data-parallel replicas, which split the batches.
 
 ``WIKITEXT103`` (alias ``perplexity``): the file (``.txt`` as one text, ``.jsonl`` as documents with a
 ``text`` field joined by end-of-text) is tokenized as one stream and scored with windows of
@@ -71,7 +74,7 @@ def build_parser():
 def main(argv: list[str] | None = None) -> None:
     args, config = cli.parse(build_parser(), argv)
     try:
-        ps = cli.setup(config)
+        ps = cli.setup(config, data_parallel=True)  # replicas split the batches
         loaded = cli.load(config, ps, args.iteration)
         tokenizer = loaded.tokenizer or IdsTokenizer()
         docs = read_documents(args.valid_data)
@@ -83,12 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     batch = config.training.micro_batch_size
     show = ps.rank == 0
 
-    def bar(total: int):
+    def bar(batches: int):
+        """Progress over the batches of rank 0's replica (replica 0 takes every dp-th, the first included)."""
         if not show:
             return None
         from tqdm import tqdm
 
-        return iter(tqdm(range(total), desc=task, unit="batch", file=sys.stderr))
+        return iter(tqdm(range(-(-batches // ps.dp_size)), desc=task, unit="batch", file=sys.stderr))
 
     try:
         if task == "WIKITEXT103":

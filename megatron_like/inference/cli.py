@@ -39,13 +39,19 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tup
     return args, config
 
 
-def setup(config: Config) -> ParallelState:
-    """Start the process groups of a tp x pp layout (one model replica: no data parallelism)."""
+def setup(config: Config, data_parallel: bool = False) -> ParallelState:
+    """Start the process groups of a tp x pp layout: one model replica, or with ``data_parallel`` (the
+    evaluation, which splits its batches) as many replicas as the world holds."""
     p = config.parallel
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if config.world_size != tp * pp:
+    if data_parallel and config.world_size % (tp * pp):
         raise ConfigError(
-            f"inference runs one model replica: launch --tensor-model-parallel-size {tp} x "
+            f"the world size {config.world_size} is not a multiple of --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} (one model replica)"
+        )
+    if not data_parallel and config.world_size != tp * pp:
+        raise ConfigError(
+            f"this tool runs one model replica: launch --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp} processes, not {config.world_size}"
         )
     return ParallelState.initialize(p, config.world_size)

@@ -1,9 +1,10 @@
 """Zero-shot evaluation as Megatron's ``tasks/zeroshot_gpt``: sliding-window perplexity (WikiText-103
 style, with the word-adjusted perplexity) and LAMBADA-style last-word accuracy.
 
-Works under tensor and pipeline parallelism: each rank runs its chunk, hidden states ``[s, b, h]`` go
-stage to stage, the last stage computes the (vocabulary-parallel) loss or gathered logits, and the
-sums are broadcast over the pipeline so that every rank returns the same numbers.
+Works under tensor, pipeline and data parallelism: each rank runs its chunk, hidden states ``[s, b, h]``
+go stage to stage, the last stage computes the (vocabulary-parallel) loss or gathered logits. With
+``dp`` model replicas, replica ``r`` takes batches ``r, r + dp, ...``; the sums are added over the
+replicas and broadcast over the pipeline, so every rank returns the same numbers.
 """
 
 from __future__ import annotations
@@ -39,10 +40,18 @@ def pipelined_forward(chunk: GPTModel, tokens: torch.Tensor, labels: torch.Tenso
     return out.float() if labels is not None else gather_from_tensor_parallel_region(out, ps.tp_group).float()
 
 
-def _from_last_stage(chunk: GPTModel, values: Sequence[float]) -> list[float]:
-    """Broadcast a few numbers from the last pipeline stage to every stage."""
+def _batch_starts(chunk: GPTModel, num_items: int, batch_size: int) -> range:
+    """The first item of each batch this data-parallel replica evaluates (every ``dp``-th batch)."""
+    ps = chunk.ps
+    return range(ps.dp_rank * batch_size, num_items, batch_size * ps.dp_size)
+
+
+def _summed_over_replicas(chunk: GPTModel, values: Sequence[float]) -> list[float]:
+    """Add a few numbers over the data-parallel replicas and broadcast them from the last pipeline stage
+    to every stage (other stages hold zeros)."""
     ps = chunk.ps
     tensor = torch.tensor(list(values), dtype=torch.float64, device=ps.device)  # NCCL takes device tensors only
+    comm.all_reduce(tensor, ps.dp_group)
     if ps.pp_size > 1:
         comm.broadcast(tensor, ps.pp_global_ranks[-1], ps.pp_group)
     return tensor.tolist()
@@ -99,7 +108,7 @@ def perplexity(chunk: GPTModel, tokens: Sequence[int], num_words: int, seq_lengt
     stream = torch.tensor(list(tokens), dtype=torch.long)
     windows = sliding_windows(len(stream), seq_length, stride)
     total = 0.0
-    for i in range(0, len(windows), batch_size):
+    for i in _batch_starts(chunk, len(windows), batch_size):
         group = windows[i:i + batch_size]
         inputs = torch.zeros(len(group), seq_length, dtype=torch.long)
         labels = torch.zeros_like(inputs)
@@ -114,7 +123,7 @@ def perplexity(chunk: GPTModel, tokens: Sequence[int], num_words: int, seq_lengt
             total += float((loss.view_as(mask) * mask).sum())
         if progress is not None:
             next(progress, None)
-    (total,) = _from_last_stage(chunk, [total])
+    (total,) = _summed_over_replicas(chunk, [total])
     targets = len(stream) - 1
     return PerplexityResult(total / targets, math.exp(min(total / targets, 700)),
                             math.exp(min(total / max(num_words - 1, 1), 700)), len(stream), num_words)
@@ -142,7 +151,7 @@ def lambada_accuracy(chunk: GPTModel, examples: Sequence[tuple[list[int], list[i
     """(accuracy, count): an example is right when greedy predicts every target token (teacher forced)."""
     seq_limit = chunk.config.max_positions
     correct = 0
-    for i in range(0, len(examples), batch_size):
+    for i in _batch_starts(chunk, len(examples), batch_size):
         group = examples[i:i + batch_size]
         rows = [(ctx + tgt)[-(seq_limit + 1):] for ctx, tgt in group]
         length = max(len(r) for r in rows) - 1
@@ -157,5 +166,5 @@ def lambada_accuracy(chunk: GPTModel, examples: Sequence[tuple[list[int], list[i
                 correct += int(predicted[r, end - len(target):end].tolist() == list(target))
         if progress is not None:
             next(progress, None)
-    (correct,) = _from_last_stage(chunk, [correct])
+    (correct,) = _summed_over_replicas(chunk, [correct])
     return correct / max(len(examples), 1), len(examples)

@@ -207,6 +207,16 @@ def test_evaluate_perplexity_and_lambada_match_hf(checkpoint, hf_dir, tmp_path):
     out = run_tool("evaluate.py", "--load", checkpoint, "--task", "LAMBADA", "--valid-data", str(lambada)).stdout
     assert f"number correct: {expected} | total: 5" in out
 
+    # Two data-parallel replicas split the batches (one row each, so both score some): same results.
+    small = ["--micro-batch-size", "1", "--load", checkpoint, "--task"]
+    windows = [*small, "WIKITEXT103", "--valid-data", str(text), "--eval-seq-length", "12", "--overlapping-eval", "5"]
+    one = run_tool("evaluate.py", *windows).stdout
+    two = torchrun(2, windows, script="tools/evaluate.py")
+    assert float(two.split("| avg loss: ")[1].split(" ")[0]) == pytest.approx(
+        float(one.split("| avg loss: ")[1].split(" ")[0]), rel=1e-6)
+    two = torchrun(2, [*small, "LAMBADA", "--valid-data", str(lambada)], script="tools/evaluate.py")
+    assert f"number correct: {expected} | total: 5" in two
+
 
 def test_export_program_runs_without_our_code_and_equals_the_model(checkpoint, tmp_path):
     run_tool("export.py", "--load", checkpoint, "--save", str(tmp_path / "exported"))
