@@ -205,6 +205,12 @@ class ParallelState:
         if tp * pp == 1:
             self.model_parallel_group = None
 
+    def use_device_in_this_thread(self) -> None:
+        """Make this rank's GPU the current one in the calling thread (a new thread starts on GPU 0, so a
+        thread that runs the model, e.g. an HTTP handler, must call this); nothing to do on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
     def destroy(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

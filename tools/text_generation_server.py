@@ -209,9 +209,11 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
             except RequestError as error:
                 return self.reply(400, {"message": str(error)})
             request = {"ids": ids, "params": vars(params)}
+            ps = loaded.model[0].ps
             with lock:
+                ps.use_device_in_this_thread()  # handler threads start on GPU 0, not on this rank's GPU
                 try:
-                    results = run_request(loaded, broadcast_request(request, loaded.model[0].ps.device))
+                    results = run_request(loaded, broadcast_request(request, ps.device))
                 except ValueError as error:  # every rank raised the same before any collective
                     return self.reply(400, {"message": str(error)})
             return self.reply(200, answer(loaded, prompts, results, params.num_beams > 1))
