@@ -54,8 +54,12 @@ def build_pretraining_data_loader(
     dp_rank: int,
     dp_world_size: int,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> torch.utils.data.DataLoader | None:
-    """Return a DataLoader of {"text": long [micro_batch, seq_length + 1]} from ``consumed_samples`` on."""
+    """Return a DataLoader of {"text": long [micro_batch, seq_length + 1]} from ``consumed_samples`` on.
+
+    ``pin_memory``: page-locked batches (for a GPU run: faster host-to-device copies, as Megatron does).
+    """
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_world_size)
@@ -63,7 +67,7 @@ def build_pretraining_data_loader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        pin_memory=False,
+        pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         # Every iterator draws a worker base seed from this generator. Without a private one it would
         # draw from the global torch RNG, so building the iterator after a checkpoint restored that RNG

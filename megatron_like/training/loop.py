@@ -202,7 +202,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
 
     def data_iterator(dataset: Any, consumed_samples: int) -> Any:
         loader = build_pretraining_data_loader(dataset, consumed_samples, t.micro_batch_size, ps.dp_rank,
-                                               ps.dp_size, config.data.num_workers)
+                                               ps.dp_size, config.data.num_workers,
+                                               pin_memory=ps.device.type == "cuda")
         return None if loader is None else iter(loader)
 
     train_iter = data_iterator(train_ds, consumed)
