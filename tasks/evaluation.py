@@ -21,7 +21,7 @@ from torch.utils.data import default_collate
 from megatron_like import collectives as comm
 from megatron_like.config import Config
 from megatron_like.parallel_state import ParallelState
-from megatron_like.pipeline_parallel import get_forward_backward_func
+from megatron_like.training.loop import forward_only_stats
 
 
 def classification_counts(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
@@ -77,16 +77,7 @@ def evaluate_dataset(config: Config, ps: ParallelState, model: list[nn.Module], 
     gbs = config.global_batch_size
     num_batches = math.ceil(len(dataset) / gbs)
     iterator = _micro_batches(dataset, ps, config.training.micro_batch_size, num_batches, gbs)
-    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
-    for chunk in model:
-        chunk.eval()
-    stats: list[dict[str, torch.Tensor]] = []
-    with torch.no_grad():
-        for _ in range(num_batches):
-            stats += schedule(forward_step_func, iterator, model, config.num_microbatches, forward_only=True,
-                              seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
-    for chunk in model:
-        chunk.train()
+    stats = forward_only_stats(config, ps, forward_step_func, iterator, model, num_batches)
     if not stats:
         return {}
     names = sorted(stats[0])

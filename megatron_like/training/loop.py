@@ -151,9 +151,10 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     return StepOutput(average_losses(stats, ps), result.grad_norm, not result.successful, loss_scale)
 
 
-def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
-             model: list[nn.Module], num_batches: int) -> dict[str, float]:
-    """Mean loss over ``num_batches`` global batches without gradients."""
+def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
+                       model: list[nn.Module], num_batches: int) -> list[dict[str, torch.Tensor]]:
+    """The loss statistics of every micro batch of ``num_batches`` global batches, run in eval mode
+    without gradients (last pipeline stage; empty elsewhere). The chunks are back in train mode after."""
     for chunk in model:
         chunk.eval()
     schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
@@ -164,7 +165,13 @@ def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, dat
                               seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
     for chunk in model:
         chunk.train()
-    return average_losses(stats, ps)
+    return stats
+
+
+def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
+             model: list[nn.Module], num_batches: int) -> dict[str, float]:
+    """Mean loss over ``num_batches`` global batches without gradients."""
+    return average_losses(forward_only_stats(config, ps, forward_step_func, data_iterator, model, num_batches), ps)
 
 
 def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
