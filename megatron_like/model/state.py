@@ -81,10 +81,10 @@ def to_global_names(chunk_state: dict[str, torch.Tensor], layers: Sequence[int])
     return {_LAYER.sub(lambda m: f"layers.{layers[int(m.group(1))]}.", k): v for k, v in chunk_state.items()}
 
 
-def _layer_of(name: str) -> int | None:
-    """The global layer index of a ``layers.<i>.`` parameter; None for the others."""
+def _wanted(name: str, layers: Collection[int]) -> bool:
+    """Whether ``name`` is outside the transformer layers or in one of ``layers`` (global indices)."""
     match = _LAYER.match(name)
-    return int(match.group(1)) if match else None
+    return match is None or int(match.group(1)) in layers
 
 
 def _dim_or_replicated(name: str) -> int | None:
@@ -236,7 +236,7 @@ def load_full_state(root: str, iteration: int | None = None,
         for v in range(vp):
             named = [to_global_names(chunks[v], chunk_layers(m.num_layers, pp, pp_rank, vp, v)) for chunks in shards]
             if layers is not None:
-                named = [{k: t for k, t in chunk.items() if _layer_of(k) in (None, *layers)} for chunk in named]
+                named = [{k: t for k, t in chunk.items() if _wanted(k, layers)} for chunk in named]
             full.update(merge_tp(named))
     if not m.untie_embeddings_and_output_weights:
         full.pop("output_layer.weight", None)
