@@ -66,3 +66,12 @@ def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", time
 def logged_losses(stdout: str) -> dict[int, float]:
     """``{iteration: lm loss}`` from Megatron log lines."""
     return {int(it): float(loss) for it, loss in LOSS.findall(stdout)}
+
+
+def run_data_tool(name: str, *args: object, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``data_tools/<name>`` with ``args``; raise with its stderr when ``check`` and it fails."""
+    proc = subprocess.run([sys.executable, str(ROOT / "data_tools" / name), *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{name} exited {proc.returncode}:\n{proc.stderr}")
+    return proc

@@ -2,7 +2,6 @@
 
 import gzip
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 
 from megatron_like.data.indexed_dataset import IndexedDataset
 from megatron_like.data.tokenizer import GPT2BPETokenizer
+from tests.e2e.cli import run_data_tool as run_tool
 
 TOOLS = Path(__file__).resolve().parents[2] / "data_tools"
 GOOD = [
@@ -20,15 +20,6 @@ GOOD = [
     "numbers 123 456",
     "last one\n\nwith newlines",
 ]
-
-
-def run_tool(name, *args, check=True):
-    proc = subprocess.run(
-        [sys.executable, str(TOOLS / name), *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{name} exited {proc.returncode}:\n{proc.stderr}")
-    return proc
 
 
 def write_jsonl(path, texts, key="text"):

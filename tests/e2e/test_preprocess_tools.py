@@ -1,25 +1,13 @@
 """CLI runs of the corpus tools: demo corpus, tokenizer training, cleanup, dedup, URL blacklist, shuffle."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from megatron_like.data.indexed_dataset import IndexedDataset
 from megatron_like.data.tokenizer import GPT2BPETokenizer
-
-TOOLS = Path(__file__).resolve().parents[2] / "data_tools"
-
-
-def run_tool(name, *args, check=True):
-    proc = subprocess.run(
-        [sys.executable, str(TOOLS / name), *map(str, args)], capture_output=True, text=True, timeout=120
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{name} exited {proc.returncode}:\n{proc.stderr}")
-    return proc
+from tests.e2e.cli import run_data_tool as run_tool
 
 
 def read_jsonl(path):
