@@ -25,6 +25,11 @@ import _common
 import numpy as np
 
 
+def _area(y: np.ndarray, x: np.ndarray) -> float:
+    """Trapezoid-rule integral of ``y`` over ``x`` (numpy 2 renamed np.trapz to np.trapezoid: this works on both)."""
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2)
+
+
 def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5) -> tuple[int, int]:
     """Return (bands, rows) with bands * rows <= num_perm minimizing weighted false positive/negative areas.
 
@@ -35,8 +40,8 @@ def lsh_params(threshold: float, num_perm: int, fp_weight: float = 0.5) -> tuple
     for b in range(1, num_perm + 1):
         for r in range(1, num_perm // b + 1):
             p = 1.0 - (1.0 - grid**r) ** b
-            fp = np.trapezoid(np.where(grid < threshold, p, 0.0), grid)
-            fn = np.trapezoid(np.where(grid >= threshold, 1.0 - p, 0.0), grid)
+            fp = _area(np.where(grid < threshold, p, 0.0), grid)
+            fn = _area(np.where(grid >= threshold, 1.0 - p, 0.0), grid)
             cost = fp_weight * fp + (1 - fp_weight) * fn
             if cost < best_cost:
                 best, best_cost = (b, r), cost

@@ -1,6 +1,6 @@
 """The one object that owns the process groups and the device.
 
-Rank layout (DESIGN.md §3): tensor-parallel innermost, then data-parallel, then pipeline outermost::
+Rank layout (docs/design.md §3): tensor-parallel innermost, then data-parallel, then pipeline outermost::
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 

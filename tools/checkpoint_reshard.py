@@ -6,7 +6,7 @@
 Every ``mp_rank_TT_PPP`` shard of the source is merged into full weights and cut into the target's
 shards with ``megatron_like.model.state`` (the same code the inference loader uses), so a forked model
 with new parameters reshards without edits here. The vocabulary rows are re-padded to the target's
-``--make-vocab-size-divisible-by * tp``. The result is a normal checkpoint (DESIGN.md §5) that
+``--make-vocab-size-divisible-by * tp``. The result is a normal checkpoint (docs/design.md §5) that
 ``pretrain_gpt.py --load`` resumes with the target layout flags at the same iteration, consumed samples
 and learning-rate schedule.
 

@@ -1,6 +1,6 @@
 """Megatron's mmap indexed dataset (``<prefix>.bin`` + ``<prefix>.idx``): reader and builder.
 
-Byte layout (little-endian, DESIGN.md section 5):
+Byte layout (little-endian, docs/design.md §5):
 
     .idx: magic b"MMIDIDX\\x00\\x00" | version u64 = 1 | dtype code u8 | N u64 | D+1 u64
           | sizes int32[N] | byte pointers int64[N] | document indices int64[D+1]

@@ -8,7 +8,7 @@ tensor parallelism is read from the parameters themselves (``tensor_model_parall
 edit here. Used by generation (load any checkpoint into any layout), the Hugging Face converter and the
 checkpoint resharding tool.
 
-Checkpoint layout read here (DESIGN.md §5)::
+Checkpoint layout read here (docs/design.md §5)::
 
     <root>/latest_checkpointed_iteration.txt
     <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   {"config": ..., "model": [chunk states]}

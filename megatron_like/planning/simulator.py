@@ -10,7 +10,7 @@ Per pipeline rank it then adds:
   ``--optimizer-cpu-offload``);
 * activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
   schedule, recomputation, sequence parallelism);
-* FLOPs per iteration (DESIGN.md §8, plus the recomputed forward), the pipeline bubble
+* FLOPs per iteration (docs/design.md §8, plus the recomputed forward), the pipeline bubble
   ``(pp - 1) / (vp m)`` and a throughput estimate at an assumed fraction of the device's peak.
 
 Every data-parallel and tensor-parallel rank of a stage holds the same amounts (up to padding), so the

@@ -1,4 +1,4 @@
-"""Checkpoints that resume exactly (DESIGN.md §5).
+"""Checkpoints that resume exactly (docs/design.md §5).
 
 Layout of one checkpoint (``TT`` = tp rank, ``PPP`` = pp rank, ``DDD`` = dp rank)::
 

@@ -13,7 +13,7 @@ def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
 
 
 def flops_per_token(config: Config, padded_vocab_size: int) -> float:
-    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (DESIGN.md §8)."""
+    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (docs/design.md §8)."""
     m = config.model
     return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
 
@@ -34,7 +34,7 @@ def format_log_line(
     skipped_iterations: int,
     nan_iterations: int,
 ) -> str:
-    """The one-line Megatron training log (DESIGN.md §5)."""
+    """The one-line Megatron training log (docs/design.md §5)."""
     parts = [
         f" iteration {iteration:8d}/{train_iters:8d}",
         f"consumed samples: {consumed_samples:12d}",

@@ -1,4 +1,4 @@
-"""The mmap indexed dataset: byte layout of DESIGN.md section 5, round trips, corruption errors."""
+"""The mmap indexed dataset: byte layout of docs/design.md §5, round trips, corruption errors."""
 
 import struct
 
