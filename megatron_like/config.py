@@ -325,10 +325,19 @@ class CheckpointConfig:
     """Save and exit after this many minutes of training."""
     exit_signal_handler: bool = True
     """On SIGTERM or SIGUSR1 save a checkpoint (with --save) and exit cleanly (--no-exit-signal-handler: die)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay) from this run's flags, not the
+    checkpoint's (the default here; Megatron's default refuses a mismatch). Also --override-opt_param-scheduler."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's lr schedule and ignore this run's lr flags. Also
+    --use-checkpoint-opt_param-scheduler."""
 
     def validate(self) -> None:
         if self.save_interval is not None:
             _require(self.save_interval > 0, f"--save-interval {self.save_interval} must be positive")
+        _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: "
+                 "pass one (this run's lr flags, or the checkpoint's schedule)")
 
 
 @dataclass
@@ -528,6 +537,13 @@ def _unwrap_optional(tp: object) -> object:
     return tp
 
 
+MEGATRON_SPELLINGS = {
+    "override_opt_param_scheduler": "--override-opt_param-scheduler",
+    "use_checkpoint_opt_param_scheduler": "--use-checkpoint-opt_param-scheduler",
+}
+"""Flags Megatron-LM spells with an underscore; both spellings are accepted."""
+
+
 def _add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls: type) -> None:
     arg_group = parser.add_argument_group(group_name, group_cls.__doc__)
     docs = field_docstrings(group_cls)
@@ -545,7 +561,8 @@ def _add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls
                 # Also accept the positive form, which some Megatron scripts pass explicitly.
                 arg_group.add_argument(flag_name(f.name), dest=dest, action="store_true", help=argparse.SUPPRESS)
             else:
-                arg_group.add_argument(flag_name(f.name), dest=dest, action="store_true", help=help_text)
+                spellings = [flag_name(f.name)] + ([MEGATRON_SPELLINGS[f.name]] if f.name in MEGATRON_SPELLINGS else [])
+                arg_group.add_argument(*spellings, dest=dest, action="store_true", help=help_text)
             parser.set_defaults(**{dest: default})
             continue
         kwargs: dict = {

@@ -25,7 +25,8 @@ The first stage adds the embedding output (and its dropout mask), the last stage
 input, the logits (e) and the cross entropy's fp32 exponentials ``[s, b, v / tp]``, alive for one micro
 batch and freed before the layers' backward starts. Recomputation needs workspace during backward: one
 re-run attention core (selective) or one re-created group of layers (full); the larger of the two
-transient amounts is added.
+transient amounts is added. ``block`` re-creates its first layers only after the chunk's kept layers freed
+theirs, so it needs workspace only when every layer of the chunk is recomputed.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, devic
         if m.recompute_method == "block":
             kept_per_chunk = min(n, chunk_layers) * group_input + max(chunk_layers - n, 0) * full_layer
             per_layer = kept_per_chunk / chunk_layers
-            workspace = full_layer
+            # The first n layers are re-created one at a time after the later (kept) layers of the same
+            # micro batch ran their backward and freed at least one full layer: no extra peak then.
+            workspace = full_layer if n >= chunk_layers else 0.0
         else:  # uniform: only the input of every group of n layers
             per_layer = group_input / n
             workspace = n * full_layer

@@ -35,6 +35,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
+from megatron_like.training.resume import resume_notice
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -240,6 +241,9 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
         chunk.load_state_dict(chunk_state)
     if config.checkpoint.finetune:
         return 0, 0
+    notice = resume_notice(state["config"], state.get("scheduler"), config)
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     own = state
     if ps.dp_rank > 0:
         own_path = rank_file(directory, ps.dp_rank)

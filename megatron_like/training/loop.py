@@ -187,7 +187,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({ps.tp_rank}, "
               f"{ps.pp_rank}): {n_params}", flush=True)
     _, optimizer = parallelize(config, ps, model)
-    scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters)
+    scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters,
+                                      use_checkpoint_values=config.checkpoint.use_checkpoint_opt_param_scheduler)
 
     iteration, consumed = 0, 0
     if config.checkpoint.load and latest_iteration(config.checkpoint.load) is None:
@@ -204,7 +205,10 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     t, log = config.training, config.logging
     gbs = config.global_batch_size
     eval_runs = t.train_iters // log.eval_interval + 1
-    num_samples = (t.train_iters * gbs, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
+    # The train iterator starts at `consumed`: a run resumed with a smaller --global-batch-size than its
+    # checkpoint's still needs (train_iters - iteration) batches after the samples already consumed.
+    train_samples = max(t.train_iters * gbs, consumed + max(t.train_iters - iteration, 0) * gbs)
+    num_samples = (train_samples, eval_runs * log.eval_iters * gbs, log.eval_iters * gbs)
     train_ds, valid_ds, test_ds = datasets_provider(config, ps, num_samples)
 
     def data_iterator(dataset: Any, consumed_samples: int) -> Any:

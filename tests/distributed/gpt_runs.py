@@ -91,13 +91,25 @@ def train_gpt_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> l
 
 
 def merge_ranks(results: list[dict]) -> dict:
-    """Losses from the ranks that have them (all equal) and the union of parameters over stages."""
+    """Losses from the ranks that have them (all equal) and the union of parameters over stages.
+
+    Every rank holding a parameter (its data-parallel replicas, and tensor-parallel ranks after the
+    gather) is compared with the first one: ``replica_mismatches`` names each parameter some rank holds
+    differently (``assert_same_training`` requires none), ``copies`` counts the ranks holding each.
+    """
     losses = [r["losses"] for r in results if r["losses"]]
     params: dict[str, torch.Tensor] = {}
-    for r in results:
+    copies: dict[str, int] = {}
+    mismatches = []
+    for rank, r in enumerate(results):
         for name, tensor in r["params"].items():
-            params.setdefault(name, tensor)
-    merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params}
+            first = params.setdefault(name, tensor)
+            copies[name] = copies.get(name, 0) + 1
+            if not torch.equal(first, tensor):
+                mismatches.append(f"{name} of rank {rank} {r.get('coords', '')} differs by "
+                                  f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
+    merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
+              "copies": copies, "replica_mismatches": mismatches}
     for key in ("loss_scales", "skipped_iterations", "nan_iterations"):
         if key in results[-1]:
             merged[key] = results[-1][key]
@@ -115,6 +127,7 @@ def assert_same_training(reference: dict, parallel: dict, rtol: float = 1e-5, we
                                rtol=rtol, atol=0.0)
     for losses in parallel["all_losses"]:
         assert losses == parallel["losses"], "ranks that compute the loss disagree"
+    assert not parallel.get("replica_mismatches"), "; ".join(parallel["replica_mismatches"])
     torch.testing.assert_close(torch.tensor(parallel["grad_norms"]), torch.tensor(reference["grad_norms"]),
                                rtol=1e-4, atol=1e-6)
     assert set(parallel["params"]) == set(reference["params"])

@@ -44,3 +44,91 @@ def test_resume_gives_bitwise_equal_losses(world_size, layout):
         assert len(r["straight"]) == 8 and len(r["first"]) == 4 and len(r["resumed"]) == 4
         assert r["first"] == r["straight"][:4]
         assert r["resumed"] == r["straight"][4:], "resumed run diverged from the straight run"
+
+
+# ------------------------------------------------------------------ resuming with changed arguments
+SCHEDULE = ["--lr-decay-style", "linear", "--lr-warmup-iters", "0"]  # lr after step k: 1e-3 * (1 - k / decay)
+
+
+def resume_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(" > resuming with changed arguments")]
+
+
+def logged_lr(out: str, iteration: int) -> str:
+    line = next(line for line in out.splitlines() if line.startswith(f" iteration {iteration:8d}/"))
+    return line.split("learning rate: ")[1].split(" ")[0]
+
+
+def test_resume_with_changed_arguments_says_what_changed_and_what_follows(tmp_path, capsys):
+    train_gpt(0, 1, SCHEDULE + ["--train-iters", "2", "--save", str(tmp_path)])
+    capsys.readouterr()
+    resumed = train_gpt(0, 1, SCHEDULE + ["--train-iters", "4", "--lr-decay-iters", "10", "--global-batch-size",
+                                          "4", "--seq-length", "8", "--seed", "7", "--load", str(tmp_path)])
+    assert len(resumed["losses"]) == 2, "a smaller batch after 2 x 8 consumed samples still has data"
+    (line,) = resume_lines(capsys.readouterr().out)
+    for change in ("--train-iters 2 -> 4", "--lr-decay-iters None -> 10", "--global-batch-size 8 -> 4",
+                   "--seq-length 16 -> 8", "--seed 1234 -> 7"):
+        assert change in line, line
+    assert "training ends at iteration 4" in line
+    assert "the lr schedule is recomputed from this run's flags (warmup 0, linear decay to 0 by iteration 10" in line
+    assert "the data order changes" in line
+
+
+def test_resume_with_the_same_schedule_mentions_no_lr_or_data_change(tmp_path, capsys):
+    flags = SCHEDULE + ["--lr-decay-iters", "4"]
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path)])
+    capsys.readouterr()
+    train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path)])
+    (line,) = resume_lines(capsys.readouterr().out)
+    assert line.endswith("--train-iters 2 -> 4: training ends at iteration 4"), line
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--load", str(tmp_path)])  # nothing changed: no line
+    assert resume_lines(capsys.readouterr().out) == []
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory) -> dict:
+    """4 steps with linear decay over 4, vs 2 steps + resume with --lr-decay-iters 8 under each policy."""
+    import contextlib
+    import io
+
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    flags = SCHEDULE + ["--lr-decay-iters", "4"]
+    out: dict = {}
+    for name, run_flags in {
+        "straight": flags + ["--train-iters", "4"],
+        "first": flags + ["--train-iters", "2", "--save", root],
+        "default": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root],
+        "override": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root,
+                                "--override-opt_param-scheduler"],
+        "use-checkpoint": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root,
+                                      "--use-checkpoint-opt_param-scheduler"],
+    }.items():
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            out[name] = (train_gpt(0, 1, run_flags)["losses"], log.getvalue())
+    return out
+
+
+def test_use_checkpoint_opt_param_scheduler_keeps_the_checkpoints_schedule(schedule_runs):
+    straight, _ = schedule_runs["straight"]
+    losses, log = schedule_runs["use-checkpoint"]
+    assert losses == straight[2:], "the checkpoint's schedule continues exactly"
+    assert logged_lr(log, 3) == "2.500000E-04"  # 1e-3 * (1 - 3/4)
+    assert "the lr schedule stays the checkpoint's (--use-checkpoint-opt_param-scheduler)" in resume_lines(log)[0]
+
+
+@pytest.mark.parametrize("policy", ["default", "override"])
+def test_this_runs_lr_flags_recompute_the_schedule(schedule_runs, policy):
+    straight, _ = schedule_runs["straight"]
+    losses, log = schedule_runs[policy]
+    assert logged_lr(log, 3) == "6.250000E-04"  # 1e-3 * (1 - 3/8): the step count from the checkpoint
+    assert losses[0] == straight[2] and losses[1] != straight[3]  # iteration 3 already stepped with another lr
+    assert "the lr schedule is recomputed from this run's flags" in resume_lines(log)[0]
+
+
+def test_both_scheduler_policies_at_once_are_refused():
+    from megatron_like.config import ConfigError, parse_config
+    from tests.distributed.gpt_runs import BASE_FLAGS
+
+    with pytest.raises(ConfigError, match="exclude each other"):
+        parse_config(BASE_FLAGS + ["--override-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"])

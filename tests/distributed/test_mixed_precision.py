@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.gpt_runs import merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
@@ -93,6 +94,7 @@ def dp2_runs() -> dict[str, dict]:
 
 
 def assert_close_at_precision(reference_run: dict, run: dict, precision: str) -> None:
+    assert not run["replica_mismatches"], "; ".join(run["replica_mismatches"])  # dp replicas stay bitwise equal
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference_run["losses"]), rtol=1e-4, atol=0)
     eps = EPS[precision]
     for name, expected in reference_run["params"].items():
@@ -142,3 +144,88 @@ def test_inf_on_one_data_parallel_rank_skips_the_step_on_every_rank() -> None:
     step = inf_injecting_forward_step(INJECT_ITERATION, num_microbatches=4, ranks=(0,))
     single = merge_ranks([train_gpt(0, 1, SCALER_FLAGS + ["--train-iters", "5"], forward_step=step)])
     assert_close_at_precision(single, runs["inject"], "fp16")
+
+
+# ------------------------------------------------------------------- what really runs in 16 bits
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_attention_math", "embedding"}
+
+
+class _RecordDtypes(TorchDispatchMode):
+    """Records the floating dtypes of the tensor arguments of every matmul-like aten op (and embedding
+    lookups: the weight the model reads its first activations from)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, set[torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in MATMULS:
+            tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+                       if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            self.seen.setdefault(name, set()).update(t.dtype for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def recording_forward_step(record: dict):
+    """``pretrain_gpt.forward_step`` that, on the first micro batch, records the dtypes of matmul operands
+    and of every transformer layer's input and output (forward hooks), and the parameters' dtypes."""
+    import pretrain_gpt
+
+    def forward_step(data_iterator, model):
+        if record:
+            return pretrain_gpt.forward_step(data_iterator, model)
+        activations: set[torch.dtype] = set()
+
+        def hook(module, inputs, output):
+            tensors = (t for t in (*inputs, output) if isinstance(t, torch.Tensor))
+            activations.update(t.dtype for t in tensors if t.is_floating_point())  # not the token ids
+
+        handles = [layer.register_forward_hook(hook) for layer in model.layers]
+        handles.append(model.embedding.register_forward_hook(hook))
+        try:
+            with _RecordDtypes() as mode:
+                result = pretrain_gpt.forward_step(data_iterator, model)
+        finally:
+            for handle in handles:
+                handle.remove()
+        record.update(matmuls=mode.seen, activations=activations,
+                      params={p.dtype for p in model.parameters()})
+        return result
+
+    return forward_step
+
+
+def run_recording(flags: list[str]) -> tuple[dict, object]:
+    import pretrain_gpt
+    from megatron_like.config import parse_config
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.training import pretrain
+    from tests.distributed.gpt_runs import BASE_FLAGS
+
+    config = parse_config(BASE_FLAGS + flags + ["--train-iters", "1"], world_size=1)
+    ps = ParallelState.single_process(torch.device("cpu"))
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
+    record: dict = {}
+    result = pretrain(config, provider, recording_forward_step(record), pretrain_gpt.datasets_provider, ps=ps,
+                      padded_vocab_size=vocab)
+    return record, result
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                             ("fp32", torch.float32)])
+def test_weights_and_activations_are_16_bit_and_masters_fp32(precision: str, dtype: torch.dtype) -> None:
+    flags = {"fp32": [], "bf16": BF16, "fp16": FP16}[precision]
+    record, result = run_recording(flags)
+    assert record["params"] == {dtype}, "the weights the model holds"
+    assert {"mm", "addmm", "bmm", "linear", "matmul", "baddbmm"} & set(record["matmuls"]), record["matmuls"]
+    for op, dtypes in record["matmuls"].items():
+        assert dtypes == {dtype}, f"{op} ran on {dtypes}"
+    assert record["activations"] == {dtype}, "transformer layers' inputs and outputs"
+    optimizer = result.optimizer
+    assert optimizer.masters and {m.dtype for m in optimizer.masters} == {torch.float32}
+    assert {b.grad_shard.dtype for b in optimizer.buckets} == {torch.float32}, "main grads"
+    # The masters are separate fp32 copies, not the 16-bit weights themselves.
+    assert all(alias == (precision == "fp32") for alias in optimizer.master_is_param)

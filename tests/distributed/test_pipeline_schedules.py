@@ -32,6 +32,7 @@ from megatron_like.pipeline_parallel.trace import (
     simulate_in_order_batches,
     theoretical_bubble,
 )
+from tests.distributed.megatron_order import megatron_order
 
 LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 LAYOUTS += [(pp, vp, m) for pp in (2, 3, 4) for vp in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
@@ -54,6 +55,41 @@ def test_every_micro_batch_runs_forward_then_backward_once_per_chunk(pp, vp, m):
             assert microbatches == list(range(m))
     for steps in orders(pp, vp, m, forward_only=True):
         assert {s.kind for s in steps} == {"F"} and len(steps) == vp * m
+
+
+def _spell(order: list) -> str:
+    """``[Step("F", 1, 0), ...]`` -> ``"F1.0 ..."`` (kind, chunk.micro batch)."""
+    return " ".join(f"{kind}{chunk}.{microbatch}" for kind, chunk, microbatch in order)
+
+
+# Hand-written orders (kind, chunk . micro batch), derived on paper from Megatron-LM's interleaved schedule:
+# p=2, v=2, m=4 -> rank 0 warms up with (2-0-1)*2 + (2-1)*2 = 4 forwards, rank 1 with 2.
+HAND_WRITTEN = {
+    (2, 2, 4): [
+        "F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 B1.2 B1.3 B0.2 B0.3",
+        "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 B0.2 B0.3",
+    ],
+    # m == p: rank 0's warmup (2 + 2) covers all m * v = 4 forwards; rank 1 still interleaves.
+    (2, 2, 2): [
+        "F0.0 F0.1 F1.0 F1.1 B1.0 B1.1 B0.0 B0.1",
+        "F0.0 F0.1 F1.0 B1.0 F1.1 B1.1 B0.0 B0.1",
+    ],
+    (2, 1, 3): ["F0.0 F0.1 B0.0 F0.2 B0.1 B0.2", "F0.0 B0.0 F0.1 B0.1 F0.2 B0.2"],
+}
+
+
+@pytest.mark.parametrize("pp,vp,m", list(HAND_WRITTEN))
+def test_orders_match_hand_written_megatron_orders(pp, vp, m):
+    for rank, expected in enumerate(HAND_WRITTEN[(pp, vp, m)]):
+        assert _spell(orders(pp, vp, m)[rank]) == expected, f"rank {rank}"
+        assert _spell(megatron_order(pp, rank, m, vp)) == expected, f"the oracle itself, rank {rank}"
+
+
+@pytest.mark.parametrize("pp,vp,m", LAYOUTS)
+def test_orders_equal_megatrons_restated_independently(pp, vp, m):
+    for forward_only in (False, True):
+        for rank, steps in enumerate(orders(pp, vp, m, forward_only)):
+            assert _spell(steps) == _spell(megatron_order(pp, rank, m, vp, forward_only)), f"rank {rank}"
 
 
 @pytest.mark.parametrize("pp,m", [(pp, m) for pp, vp, m in LAYOUTS if vp == 1])

@@ -79,6 +79,19 @@ def test_zero_training_equals_single_process(world_size: int, name: str) -> None
     assert_same_training(reference(), runs(world_size)[name])
 
 
+@pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
+def test_every_data_parallel_replica_holds_the_same_weights(world_size: int, name: str) -> None:
+    """Not only rank 0's weights: after training, every rank holding a parameter holds it bitwise equal
+    (a rank that skipped an update or missed the gather of updated shards would differ)."""
+    run = runs(world_size)[name]
+    flags = CASES[world_size][name]
+    pp = int(flags[flags.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in flags \
+        else 1
+    holders = world_size // pp  # dp replicas x tp ranks (after the gather) of each stage
+    assert set(run["copies"].values()) == {holders}, run["copies"]
+    assert run["replica_mismatches"] == []
+
+
 # ------------------------------------------------------------------------------------------ memory
 MEMORY_FLAGS = ["--bf16", "--train-iters", "1"]
 

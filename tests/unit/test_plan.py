@@ -29,6 +29,12 @@ GPT3_175B = ["--num-layers", "96", "--hidden-size", "12288", "--num-attention-he
 
 def measured_peak_bytes(flags: list[str]) -> int:
     """Peak bytes of tensors alive at once during a whole single-process run (the profiler's allocation log)."""
+    return _measured_peak_bytes(tuple(flags))
+
+
+@functools.cache
+def _measured_peak_bytes(flags: tuple[str, ...]) -> int:
+    flags = list(flags)
     import pretrain_gpt
     from megatron_like.training import pretrain
 
@@ -46,14 +52,42 @@ def measured_peak_bytes(flags: list[str]) -> int:
     return peak
 
 
-@pytest.mark.parametrize("extra", [[], ["--recompute-granularity", "selective"]], ids=["no-recompute", "selective"])
-def test_simulated_memory_is_within_10_percent_of_the_measured_peak(extra):
-    flags = SMALL + extra
+FOUR_LAYERS = ["--num-layers", "4"]
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+RECOMPUTE = {
+    "no-recompute": [],
+    "selective": ["--recompute-granularity", "selective"],
+    "four-layers": FOUR_LAYERS,
+    # full recompute of a 4-layer model: only each layer's input kept / the first 2 layers' inputs kept
+    "full-uniform": FOUR_LAYERS + FULL + ["uniform", "--recompute-num-layers", "1"],
+    "full-block": FOUR_LAYERS + FULL + ["block", "--recompute-num-layers", "2"],
+}
+
+
+@pytest.mark.parametrize("mode", list(RECOMPUTE))
+def test_simulated_memory_is_within_10_percent_of_the_measured_peak(mode):
+    flags = SMALL + RECOMPUTE[mode]
     config = parse_config(flags, world_size=1)
     planned = plan_run(config, config.padded_vocab_size(1024), device="cpu").max_device_bytes
     measured = measured_peak_bytes(flags)
     assert abs(planned - measured) / measured < 0.10, f"planned {planned / 2**20:.1f} MiB, measured " \
                                                        f"{measured / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("mode", ["full-uniform", "full-block"])
+def test_full_recompute_lowers_the_measured_peak(mode):
+    """The measured peak falls below the same model's without recompute by at least 3/4 of the saving
+    the plan predicts (kept layer activations minus kept inputs)."""
+    def planned(flags: list[str]) -> int:
+        config = parse_config(flags, world_size=1)
+        return plan_run(config, config.padded_vocab_size(1024), device="cpu").max_device_bytes
+
+    without, full = SMALL + RECOMPUTE["four-layers"], SMALL + RECOMPUTE[mode]
+    predicted_saving = planned(without) - planned(full)
+    measured_saving = measured_peak_bytes(without) - measured_peak_bytes(full)
+    assert predicted_saving > 0.2 * planned(without)
+    assert measured_saving >= 0.75 * predicted_saving, f"saved {measured_saving / 2**20:.1f} MiB, planned " \
+                                                        f"{predicted_saving / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("pp,vp,m", [(4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4)])
