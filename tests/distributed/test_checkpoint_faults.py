@@ -104,7 +104,11 @@ def test_sigkill_during_saves_keeps_latest_checkpoint_loadable(tmp_path):
     root = str(tmp_path)
     config, ps, model, optimizer = build(root)
     fill(model, 1.0)
+    start = time.perf_counter()
     save_checkpoint(root, 1, config, ps, model, optimizer, None, 10)
+    # Kill moments scale with how long a save takes on this machine now: a fixed window let a loaded
+    # machine kill every child before its first save (and a fast one finish many saves per window).
+    window = 3 * (time.perf_counter() - start)
     context = multiprocessing.get_context("fork")
     rng = random.Random(0)
     last, advanced = 1, 0
@@ -112,7 +116,7 @@ def test_sigkill_during_saves_keeps_latest_checkpoint_loadable(tmp_path):
         child = context.Process(target=_save_forever, args=(root, last, config, ps, model, optimizer),
                                 daemon=True)
         child.start()
-        time.sleep(rng.uniform(0.0, 0.15))
+        time.sleep(rng.uniform(0.0, window))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
         iteration = assert_latest_loads(root, config, ps, model, optimizer)
