@@ -104,6 +104,7 @@ def draw_slice(out: torch.Tensor, init_method: InitMethod, generator: torch.Gene
         lo, hi = max(start, row_lo), min(end, row_hi)
         if lo < hi:
             out_2d[lo - row_lo : hi - row_lo].copy_(chunk[lo - start : hi - start, col_lo:col_hi])
+        del chunk  # before the next one is allocated: one chunk alive at a time
         start = end
 
 
