@@ -60,7 +60,7 @@ def normal_init(std: float) -> InitMethod:
 
 
 # ------------------------------------------------------------------------------ layout-independent draws
-def rows_per_chunk(row_elements: int, chunk_elements: int = DRAW_CHUNK_ELEMENTS) -> int:
+def rows_per_chunk(row_elements: int, chunk_elements: int) -> int:
     """Rows of ``row_elements`` values per chunk: about ``chunk_elements`` values, a multiple of 16."""
     rows = max(1, chunk_elements // row_elements)
     while (rows * row_elements) % _NORMAL_BLOCK:
@@ -70,13 +70,14 @@ def rows_per_chunk(row_elements: int, chunk_elements: int = DRAW_CHUNK_ELEMENTS)
 
 def draw_slice(out: torch.Tensor, init_method: InitMethod, generator: torch.Generator, full_shape: tuple[int, ...],
                partition_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1,
-               chunk_elements: int = DRAW_CHUNK_ELEMENTS) -> None:
+               chunk_elements: int | None = None) -> None:
     """Write this rank's slice of the full fp32 weight ``init_method`` draws into ``out``, chunk by chunk.
 
     Bit-identical to ``full = torch.empty(full_shape); init_method(full, generator);
     out.copy_(full.chunk(tp_size, partition_dim)[tp_rank])`` (the whole weight when ``partition_dim`` is
-    None), but with at most ``chunk_elements`` values of ``full`` alive (plus one row) when the init method
-    allows it (``normal_init``). ``out`` has the slice's shape, any dtype and device (values are cast).
+    None), but with at most ``chunk_elements`` (default :data:`DRAW_CHUNK_ELEMENTS`) values of ``full`` alive
+    (plus 15 rows) when the init method allows it (``normal_init``). ``out`` has the slice's shape, any dtype
+    and device (values are cast).
     """
     if not getattr(init_method, "draws_in_row_chunks", False) or len(full_shape) not in (1, 2):
         full = torch.empty(full_shape, dtype=torch.float32)
@@ -93,7 +94,7 @@ def draw_slice(out: torch.Tensor, init_method: InitMethod, generator: torch.Gene
     elif partition_dim == 1:
         col_lo, col_hi = tp_rank * cols // tp_size, (tp_rank + 1) * cols // tp_size
     out_2d = out.view(row_hi - row_lo, col_hi - col_lo)
-    step = rows_per_chunk(cols, chunk_elements)
+    step = rows_per_chunk(cols, chunk_elements or DRAW_CHUNK_ELEMENTS)
     start = 0
     while start < rows:
         end = min(rows, start + step)
@@ -152,7 +153,11 @@ def materialize(param: nn.Parameter, out: torch.Tensor) -> None:
     fill = param.__dict__.pop("deferred_fill")
     with torch.no_grad():
         fill(out)
-    real = nn.Parameter(out, requires_grad=param.requires_grad)
+    # Like the eager path's `param.data = view`: `out`'s memory under the parameter's own autograd version
+    # counter (nn.Parameter(out) would share out's, and ZeRO-3's gathers, which write the flat buffer `out`
+    # is a view of, would then invalidate tensors saved for backward).
+    real = nn.Parameter(torch.empty(0, dtype=out.dtype, device=out.device), requires_grad=param.requires_grad)
+    real.data = out
     real.__dict__.update(param.__dict__)
     # A meta tensor cannot take real data through `param.data = ...` (incompatible tensor types): swap the
     # two objects' contents instead.

@@ -84,9 +84,9 @@ def test_zero3_startup_peak_is_shard_plus_one_unit_and_weights_are_unchanged() -
     for rank, results in enumerate(startup_results()):
         for name, r in results.items():
             where = f"rank {rank}, {name}"
+            assert r["differ"] == [], f"{where}: deferred build draws other values for {r['differ']}"
             bound = r["shard"] + r["unit"] + r["draw"]
             assert r["peak"] <= bound, f"{where}: start-up peak {r['peak']} B > shard {r['shard']} + unit " \
                                        f"{r['unit']} + draw {r['draw']} = {bound} B"
             # The old path (whole stage built, then sharded) must break the bound, or the bound proves nothing.
             assert r["eager_peak"] > bound, f"{where}: eager build peak {r['eager_peak']} B <= bound {bound} B"
-            assert r["differ"] == [], f"{where}: deferred build draws other values for {r['differ']}"

@@ -83,6 +83,11 @@ def test_deferred_parameter_is_drawn_later_with_the_eager_values():
     materialize(deferred, flat[4:100].view(12, 8))
     assert holder.weight is deferred and not is_deferred(deferred) and deferred.tensor_model_parallel
     assert deferred.data_ptr() == flat[4:].data_ptr() and deferred.requires_grad
+    # Its own autograd version counter, as `param.data = view` gives: ZeRO-3's gathers write the flat buffer
+    # and must not invalidate the parameter saved for backward.
+    version = deferred._version
+    flat.add_(0)
+    assert deferred._version == version
     assert torch.equal(deferred.detach(), eager.detach())
     # The eager value is the definition: the generator of (seed, name), whole weight, cast.
     generator = init_generator(5, "layers.0.mlp.fc1.weight")
@@ -108,3 +113,39 @@ def test_values_loaded_before_drawing_are_the_ones_drawn():
         assert torch.equal(module.a.detach(), state["a"]) and torch.equal(module.b.detach(), torch.full((4,), 2.0))
     with pytest.raises(ValueError, match="shape"):
         load_initial_values(eager, {"a": torch.zeros(2, 3)})
+
+
+def test_pretrained_gpt_body_loads_into_a_deferred_classification_model(tmp_path):
+    """Fine-tuning at ZeRO-3 loads the GPT body in the model provider, before the parameters are drawn: the
+    drawn model holds the checkpoint's values (load_state_dict would skip meta parameters silently)."""
+    import pretrain_gpt
+    from megatron_like.config import ModelConfig
+    from megatron_like.distributed import DataParallel, gathered_parameters
+    from megatron_like.model.classification import GPTClassificationModel, load_pretrained_gpt
+    from megatron_like.parallel_state import ParallelState
+
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--max-position-embeddings", "16", "--make-vocab-size-divisible-by", "8"]
+    pretrain_gpt.main(model + ["--mock-data", "--vocab-size", "64", "--train-iters", "1", "--micro-batch-size", "2",
+                               "--global-batch-size", "2", "--num-workers", "0", "--eval-iters", "0",
+                               "--save", str(tmp_path)])
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, max_position_embeddings=16)
+    ps = ParallelState.single_process(torch.device("cpu"))
+
+    def build() -> GPTClassificationModel:
+        chunk = GPTClassificationModel(config, ps, vocab_size=64, num_classes=2, seed=3)
+        assert load_pretrained_gpt(chunk, str(tmp_path)) == ["head_weight"]
+        return chunk
+
+    eager = build()
+    with deferred_init():
+        deferred = build()
+    assert deferred.embedding.word_embeddings.weight.is_meta
+    DataParallel([deferred], ps, zero_stage=3)
+    fresh = GPTClassificationModel(config, ps, vocab_size=64, num_classes=2, seed=3)
+    with gathered_parameters([deferred]):
+        for name, value in eager.state_dict().items():
+            assert torch.equal(deferred.state_dict()[name], value), name
+    # The body is the checkpoint's (trained one step), not the fresh draw; the head is the fresh draw.
+    assert not torch.equal(eager.layers[0].mlp.fc1.weight, fresh.layers[0].mlp.fc1.weight)
+    assert torch.equal(eager.head_weight, fresh.head_weight)
