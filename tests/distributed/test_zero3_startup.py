@@ -3,7 +3,9 @@ the unsharded pipeline stage; and the deferred build draws exactly (bitwise) the
 
 Measured as the peak bytes of live tensors (the profiler's allocation log, as ``tests/unit/test_plan.py``)
 from the first parameter made to the last bucket sharded (``build_model_chunks`` + ``DataParallel``), on two
-processes, for three layouts. The bound, computed from the run's own buffers::
+processes, for three layouts: bf16 sharded over dp 2; tp 2 and pp 2 with two virtual chunks (dp 1 there: the
+"shard" is the whole stage, and the point is that it is not held twice; these two cover tensor-parallel
+slices, several chunks and the last stage's tied embedding copy bitwise). The bound, from the run's buffers::
 
     shard  (this rank's persistent param and fp32 grad shards: the buffers' param_data + grad_data)
   + unit   (the largest bucket, in the param dtype: one unit's gather buffer, what each unit is drawn into)
@@ -21,7 +23,7 @@ import functools
 
 import torch
 
-from tests.distributed.gpt_runs import BASE_FLAGS, full_parameters
+from tests.distributed.gpt_runs import BASE_FLAGS
 from tests.distributed.harness import run_distributed
 from tests.peak_memory import peak_live_bytes
 
@@ -31,6 +33,15 @@ LAYOUTS = {
     "pp2-vp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
 }
 FLAGS = ["--num-layers", "8", "--zero-stage", "3"]
+
+
+def local_values(model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's parameters (its tp slices, the last stage's tied embedding copy included), by chunk and name."""
+    from megatron_like.distributed import gathered_parameters
+
+    with gathered_parameters(model):
+        return {f"{i}.{name}": param.detach().clone()
+                for i, chunk in enumerate(model) for name, param in chunk.named_parameters()}
 
 
 def startup_worker(rank: int, world_size: int) -> dict[str, dict]:
@@ -66,7 +77,7 @@ def startup_worker(rank: int, world_size: int) -> dict[str, dict]:
         params = [p for chunk in model for p in chunk.parameters()]
         full_numels = [p.numel() * (ps.tp_size if getattr(p, "tensor_model_parallel", False) else 1) for p in params]
         assert max(full_numels) <= DRAW_CHUNK_ELEMENTS  # so the draw scratch is one whole weight
-        deferred, eager = full_parameters(model, ps), full_parameters(eager_model, ps)
+        deferred, eager = local_values(model), local_values(eager_model)
         out[name] = {
             "peak": peak, "eager_peak": eager_peak, "shard": state.params + state.grads, "unit": unit,
             "draw": 4 * max(full_numels),
