@@ -8,7 +8,7 @@ slice (``full.chunk(tp, partition_dim)[tp_rank]``), cast to the parameter's dtyp
 starts from exact slices of the same model.
 
 :func:`draw_slice` produces those bits without ever holding the full weight: it draws the weight in
-chunks of rows (at most :data:`DRAW_CHUNK_ELEMENTS` fp32 values at once) and copies the part of each
+chunks of rows (about :data:`DRAW_CHUNK_ELEMENTS` fp32 values at once) and copies the part of each
 chunk this rank keeps. Chunks give the same bits as one draw because of how PyTorch's CPU ``normal_``
 consumes its generator (checked for awkward shapes in ``tests/unit/test_initialization.py``): for a
 contiguous float tensor of at least 16 elements it takes one uniform number per element in order, then
