@@ -39,8 +39,9 @@ from megatron_like.tensor_parallel.random import checkpoint
 def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device):
     """A LayerNorm whose parameters are tagged for the sequence-parallel gradient all-reduce."""
     h = config.hidden_size
-    norm = nn.LayerNorm(h, eps=config.layernorm_epsilon, device="meta")  # its parameters are replaced:
-    # new_parameter makes them (ones and zeros) now, or deferred to ZeRO-3 sharding (tensor_parallel/initialization.py).
+    # Built on the meta device, then given parameters from new_parameter (ones and zeros): filled now, or at
+    # ZeRO-3 when their unit is sharded (tensor_parallel/initialization.py).
+    norm = nn.LayerNorm(h, eps=config.layernorm_epsilon, device="meta")
     norm.weight = mark_replicated(new_parameter((h,), dtype, device, lambda out: out.fill_(1.0)), sequence_parallel)
     norm.bias = mark_replicated(zeros_parameter((h,), dtype, device), sequence_parallel)
     return norm
