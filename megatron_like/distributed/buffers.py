@@ -50,6 +50,7 @@ from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel.initialization import is_deferred, materialize
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -189,10 +190,16 @@ class ParamAndGradBuffer:
                 bucket.grad_shard = bucket.grad_flat[s0 : s0 + sn]
             else:
                 bucket.grad_shard = self.grad_data[shard_offset : shard_offset + sn]
-            # Move each parameter into the flat buffer: from now on it is a view of param_flat.
+            # Move each parameter into the flat buffer: from now on it is a view of param_flat. A deferred
+            # parameter (ZeRO-3 start-up, built on the meta device) is drawn straight into its view: with the
+            # release below, no more than this bucket of the unsharded chunk ever exists on this rank.
             for param, (start, end) in zip(bucket.params, bucket.ranges):
-                bucket.param_flat[start:end].copy_(param.detach().reshape(-1))
-                param.data = bucket.param_flat[start:end].view(param.shape)
+                view = bucket.param_flat[start:end].view(param.shape)
+                if is_deferred(param):
+                    materialize(param, view)
+                else:
+                    view.copy_(param.detach())
+                    param.data = view
             if zero_stage == 3:
                 bucket.param_shard.copy_(bucket.param_flat[s0 : s0 + sn])
                 bucket.release()

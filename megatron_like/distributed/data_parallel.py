@@ -32,6 +32,7 @@ from torch import nn
 from megatron_like import collectives as comm
 from megatron_like.distributed.buffers import Bucket, ParamAndGradBuffer
 from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel.initialization import is_deferred
 from megatron_like.tensor_parallel.random import is_recomputing
 
 
@@ -53,6 +54,15 @@ def _install_zero3_hooks(module: nn.Module, buckets: list[Bucket], dp_group: com
     module.register_forward_hook(after_forward)
 
 
+def _check_all_drawn(chunk: nn.Module) -> None:
+    """Deferred parameters (ZeRO-3 start-up) are drawn by the buffers; one left on the meta device has no
+    values (e.g. it does not require grad, so no bucket holds it): refuse instead of training without it."""
+    left = [name for name, param in chunk.named_parameters() if is_deferred(param)]
+    if left:
+        raise ValueError(f"parameters {left} were built deferred (ZeRO-3) but hold no bucket, so they were never "
+                         "drawn; make them trainable or create them outside deferred_init()")
+
+
 class DataParallel:
     """Every model chunk's buffers: the training loop's handle on data parallelism and ZeRO."""
 
@@ -62,6 +72,7 @@ class DataParallel:
         self.buffers = []
         for chunk in model:
             buffer = ParamAndGradBuffer(chunk, ps, zero_stage, overlap_grad_reduce)
+            _check_all_drawn(chunk)
             chunk.param_and_grad_buffer = buffer
             if zero_stage == 3:
                 for module, buckets in buffer.units:

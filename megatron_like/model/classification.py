@@ -23,7 +23,7 @@ from megatron_like.model.state import chunk_state, load_full_state
 from megatron_like.model.transformer import TransformerLayer, forward_layers, layer_norm
 from megatron_like.model.vit import replicated_parameter
 from megatron_like.parallel_state import ParallelState
-from megatron_like.tensor_parallel import gather_from_sequence_parallel_region
+from megatron_like.tensor_parallel import gather_from_sequence_parallel_region, load_initial_values
 
 
 class GPTClassificationModel(nn.Module):
@@ -118,7 +118,8 @@ def load_pretrained_gpt(chunk: GPTClassificationModel, root: str) -> list[str]:
     state = chunk_state(body, m, layers=layers, pre_process=chunk.pre_process, post_process=chunk.post_process,
                         tp_size=ps.tp_size, tp_rank=ps.tp_rank, padded_vocab_size=chunk.vocab_size)
     state = {k: v.to(next(chunk.parameters()).dtype) for k, v in state.items() if not k.startswith("output_layer.")}
-    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    # Also before ZeRO-3 has drawn the deferred parameters: they then take these values when drawn.
+    missing, unexpected = load_initial_values(chunk, state)
     if unexpected:
         raise ValueError(f"pretrained checkpoint {root} holds parameters this model lacks: {unexpected}")
     body_missing = [name for name in missing if name != "head_weight"]

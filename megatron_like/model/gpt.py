@@ -24,9 +24,11 @@ from megatron_like.tensor_parallel import (
     VocabParallelEmbedding,
     init_generator,
     mark_replicated,
+    new_parameter,
     normal_init,
     vocab_parallel_cross_entropy,
 )
+from megatron_like.tensor_parallel.initialization import draw_slice
 
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 
@@ -54,12 +56,16 @@ class GPTEmbedding(nn.Module):
             vocab_size, config.hidden_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
             seed=seed, name=WORD_EMBEDDINGS, dtype=dtype, device=ps.device,
         )
-        positions = torch.empty(config.max_positions, config.hidden_size)
-        normal_init(config.init_method_std)(positions, init_generator(seed, "embedding.position_embeddings.weight"))
-        self.position_embeddings = nn.Embedding.from_pretrained(
-            positions.to(device=ps.device, dtype=dtype), freeze=False
-        )
-        mark_replicated(self.position_embeddings.weight, sequence_parallel=False)
+        shape = (config.max_positions, config.hidden_size)
+
+        def draw_positions(out: torch.Tensor) -> None:
+            generator = init_generator(seed, "embedding.position_embeddings.weight")
+            draw_slice(out, normal_init(config.init_method_std), generator, shape)
+
+        # Built on the meta device (no draw from the global generator), then given its own parameter.
+        self.position_embeddings = nn.Embedding(*shape, device="meta")
+        self.position_embeddings.weight = mark_replicated(new_parameter(shape, dtype, ps.device, draw_positions),
+                                                          sequence_parallel=False)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # (b, s, h)

@@ -28,17 +28,22 @@ from megatron_like.tensor_parallel import (
     RowParallelLinear,
     get_rng_tracker,
     mark_replicated,
+    new_parameter,
     normal_init,
     scatter_to_sequence_parallel_region,
+    zeros_parameter,
 )
 from megatron_like.tensor_parallel.random import checkpoint
 
 
 def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device):
     """A LayerNorm whose parameters are tagged for the sequence-parallel gradient all-reduce."""
-    norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon, dtype=dtype, device=device)
-    mark_replicated(norm.weight, sequence_parallel)
-    mark_replicated(norm.bias, sequence_parallel)
+    h = config.hidden_size
+    # Built on the meta device, then given parameters from new_parameter (ones and zeros): filled now, or at
+    # ZeRO-3 when their unit is sharded (tensor_parallel/initialization.py).
+    norm = nn.LayerNorm(h, eps=config.layernorm_epsilon, device="meta")
+    norm.weight = mark_replicated(new_parameter((h,), dtype, device, lambda out: out.fill_(1.0)), sequence_parallel)
+    norm.bias = mark_replicated(zeros_parameter((h,), dtype, device), sequence_parallel)
     return norm
 
 

@@ -26,8 +26,10 @@ from megatron_like.tensor_parallel import (
     gather_from_sequence_parallel_region,
     init_generator,
     mark_replicated,
+    new_parameter,
     normal_init,
 )
+from megatron_like.tensor_parallel.initialization import draw_slice
 
 
 @dataclass
@@ -65,10 +67,14 @@ class VisionConfig:
 def replicated_parameter(shape: tuple[int, ...], std: float, seed: int, name: str, dtype: torch.dtype,
                          device: torch.device) -> nn.Parameter:
     """A parameter every tp rank holds whole, ~N(0, std^2) from its own named generator (0 when std is 0)."""
-    full = torch.zeros(shape, dtype=torch.float32)
-    if std > 0:
-        normal_init(std)(full, init_generator(seed, name))
-    return mark_replicated(nn.Parameter(full.to(device=device, dtype=dtype)), sequence_parallel=False)
+
+    def fill(out: torch.Tensor) -> None:
+        if std > 0:
+            draw_slice(out, normal_init(std), init_generator(seed, name), shape)
+        else:
+            out.zero_()
+
+    return mark_replicated(new_parameter(shape, dtype, device, fill), sequence_parallel=False)
 
 
 def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:

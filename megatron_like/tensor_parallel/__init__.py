@@ -1,12 +1,18 @@
 """Tensor-parallel building blocks (Megatron-core's ``tensor_parallel`` package, layered the same way)."""
 
 from megatron_like.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_like.tensor_parallel.initialization import (
+    deferred_init,
+    load_initial_values,
+    new_parameter,
+    normal_init,
+)
 from megatron_like.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_replicated,
-    normal_init,
+    zeros_parameter,
 )
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -24,11 +30,14 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "copy_to_tensor_parallel_region",
+    "deferred_init",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_parallel_region",
     "get_rng_tracker",
     "init_generator",
+    "load_initial_values",
     "mark_replicated",
+    "new_parameter",
     "normal_init",
     "reduce_from_tensor_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
@@ -36,4 +45,5 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "seed_everything",
     "vocab_parallel_cross_entropy",
+    "zeros_parameter",
 ]

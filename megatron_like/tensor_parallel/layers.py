@@ -1,7 +1,8 @@
 """Tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
 
 Every layer draws its *full* weight from ``init_generator(seed, name)`` and keeps this rank's slice,
-so the tp=N model holds exact slices of the tp=1 model built with the same seed.
+so the tp=N model holds exact slices of the tp=1 model built with the same seed (drawn in chunks of rows,
+now or, at ZeRO-3, unit by unit during sharding: see ``initialization.py``).
 Parameters carry two attributes the rest of the code reads:
 
 * ``tensor_model_parallel`` (bool): the parameter is a shard; otherwise it is replicated over tp.
@@ -11,14 +12,13 @@ Parameters carry two attributes the rest of the code reads:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.collectives import Group
+from megatron_like.tensor_parallel.initialization import InitMethod, draw_slice, new_parameter
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
@@ -28,17 +28,6 @@ from megatron_like.tensor_parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from megatron_like.tensor_parallel.random import init_generator
-
-InitMethod = Callable[[torch.Tensor, torch.Generator], None]
-
-
-def normal_init(std: float) -> InitMethod:
-    """Weights ~ N(0, std^2), drawn from the given generator."""
-
-    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
-        nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
-
-    return init
 
 
 def mark_replicated(param: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
@@ -58,15 +47,27 @@ def sharded_parameter(
     dtype: torch.dtype,
     device: torch.device,
 ) -> nn.Parameter:
-    """Draw the full weight from its own generator, keep this rank's chunk along ``partition_dim``."""
-    full = torch.empty(full_shape, dtype=torch.float32)
-    init_method(full, init_generator(seed, name))
-    shard = comm.split_along_dim(full, tp_group, dim=partition_dim)
-    param = nn.Parameter(shard.to(device=device, dtype=dtype).contiguous())
+    """This rank's chunk along ``partition_dim`` of the full weight drawn from its own generator."""
+    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    if full_shape[partition_dim] % tp_size != 0:
+        raise ValueError(f"{name}: dimension {partition_dim} of size {full_shape[partition_dim]} does not split "
+                         f"over {tp_size} ranks")
+    shape = list(full_shape)
+    shape[partition_dim] //= tp_size
+
+    def fill(out: torch.Tensor) -> None:
+        draw_slice(out, init_method, init_generator(seed, name), full_shape, partition_dim, tp_rank, tp_size)
+
+    param = new_parameter(tuple(shape), dtype, device, fill)
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.sequence_parallel = False
     return param
+
+
+def zeros_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None) -> nn.Parameter:
+    """A zero-initialized parameter (biases, as Megatron)."""
+    return new_parameter(shape, dtype, device, lambda out: out.zero_())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -110,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
             )
         if bias:
             # Megatron zero-initializes biases; they are sharded like the output features.
-            self.bias = nn.Parameter(torch.zeros(output_size // tp_size, dtype=dtype, device=device))
+            self.bias = zeros_parameter((output_size // tp_size,), dtype, device)
             self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
             self.bias.sequence_parallel = False
         else:
@@ -164,7 +165,7 @@ class RowParallelLinear(nn.Module):
         )
         if bias:
             self.bias = mark_replicated(
-                nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device)), sequence_parallel
+                zeros_parameter((output_size,), dtype, device), sequence_parallel
             )
         else:
             self.bias = None

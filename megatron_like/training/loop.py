@@ -25,7 +25,7 @@ from megatron_like.model import chunk_layers
 from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
-from megatron_like.tensor_parallel import seed_everything
+from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
@@ -68,18 +68,24 @@ def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
 
 
 def build_model_chunks(config: Config, ps: ParallelState, model_provider: ModelProvider) -> list[nn.Module]:
-    """One model chunk per virtual pipeline stage of this rank."""
+    """One model chunk per virtual pipeline stage of this rank.
+
+    At ZeRO-3 the parameters are built deferred (on the meta device, no memory) and ``parallelize`` draws
+    them unit by unit straight into this rank's shards, so start-up never holds the unsharded stage
+    (``tensor_parallel/initialization.py``); until then they have shapes and attributes but no values.
+    """
     vp = config.virtual_pipeline_size
     chunks = []
-    for vp_rank in range(vp):
-        layers = chunk_layers(config.model.num_layers, ps.pp_size, ps.pp_rank, vp, vp_rank)
-        chunks.append(
-            model_provider(
-                config, ps, layers=layers,
-                pre_process=ps.is_first_stage and vp_rank == 0,
-                post_process=ps.is_last_stage and vp_rank == vp - 1,
+    with deferred_init(enabled=config.parallel.zero_stage == 3):
+        for vp_rank in range(vp):
+            layers = chunk_layers(config.model.num_layers, ps.pp_size, ps.pp_rank, vp, vp_rank)
+            chunks.append(
+                model_provider(
+                    config, ps, layers=layers,
+                    pre_process=ps.is_first_stage and vp_rank == 0,
+                    post_process=ps.is_last_stage and vp_rank == vp - 1,
+                )
             )
-        )
     return chunks
 
 

@@ -1,7 +1,8 @@
 """Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
 
 Layouts: tp2 x pp2, and ZeRO-2 over dp2 (every dp rank saves its own optimizer shard and RNG states),
-also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts).
+also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts), and ZeRO-3 over dp2 (the
+model is built deferred and drawn into the shards, then the checkpoint is loaded into the gathered units).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
     "world_size,layout",
     [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
      (2, ["--zero-stage", "2"]),
-     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"])],
-    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload"],
+     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"]),
+     (2, ["--zero-stage", "3"])],
+    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "zero3-dp2"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:
