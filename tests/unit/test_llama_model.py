@@ -57,7 +57,7 @@ def hf_and_ours():
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS, intermediate_size=FFN,
         num_hidden_layers=LAYERS, vocab_size=VOCAB, rope_theta=500000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, max_position_embeddings=64)).eval()
+        tie_word_embeddings=False, max_position_embeddings=64, initializer_range=0.3)).eval()  # attention matters
     ours = GPTModel(llama_config(), ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
     ours.load_state_dict(from_hf_llama(hf.state_dict()))
     return hf, ours.eval()
@@ -91,6 +91,27 @@ def test_kv_cache_decoding_equals_full_forward(hf_and_ours):
             cache.advance(1)
     assert cache.keys[0].shape[1] == GROUPS  # the cache holds one key head per query group
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_and_beam_search_equal_transformers_generate(hf_and_ours):
+    """Left-padded batches with the KV cache: greedy equals HF greedy per prompt; beam search equals HF's."""
+    from megatron_like.inference import GenerationParams, generate
+
+    hf, ours = hf_and_ours
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=10), vocab_size=VOCAB)
+    uncached = generate(ours, prompts, GenerationParams(max_new_tokens=10, use_cache=False), vocab_size=VOCAB)
+    beams = generate(ours, prompts[:1], GenerationParams(max_new_tokens=6, num_beams=3, num_return_sequences=2),
+                     vocab_size=VOCAB)[0]
+    for prompt, ours_greedy, ours_uncached in zip(prompts, greedy, uncached):
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours_greedy[0].token_ids == ours_uncached[0].token_ids == theirs
+    ids = torch.tensor([prompts[0]])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                      do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    assert [g.token_ids for g in beams] == out[:, len(prompts[0]):].tolist()
 
 
 def test_partial_rotary_leaves_the_other_dimensions_alone():
