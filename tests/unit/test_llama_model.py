@@ -165,3 +165,31 @@ def test_other_bad_combinations():
         parse_config(["--num-query-groups", "2", "--mock-data", "--vocab-size", "64"])
     with pytest.raises(ConfigError, match="--add-qkv-bias only matters with --disable-bias-linear"):
         parse_config(["--add-qkv-bias", "--mock-data", "--vocab-size", "64"])
+
+
+def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_path):
+    """tools/export.py's torch.export program and the evaluation loop on a saved Llama-style checkpoint."""
+    import os
+    import sys
+
+    from megatron_like.config import Config
+    from megatron_like.inference.evaluation import pipelined_forward
+    from megatron_like.model.state import gather_full_state
+    from tests.unit.test_generation_state import write_checkpoint
+
+    _, ours = hf_and_ours
+    config = Config(model=llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32))
+    config.data.mock_data = True
+    write_checkpoint(str(tmp_path), config, gather_full_state([ours]), VOCAB)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    try:
+        import export
+    finally:
+        sys.path.pop(0)
+    program, loaded = export.export_program(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ours(ids, None)
+        torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pipelined_forward(loaded.model[0], ids)[..., :VOCAB], expected, rtol=1e-5,
+                                   atol=1e-5)
