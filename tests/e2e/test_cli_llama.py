@@ -2,19 +2,25 @@
 trained by torchrun at tp2 x pp2 with sequence parallelism logs the losses of one process; its checkpoint
 resharded to tp1 x pp1 with tools/checkpoint_reshard.py resumes on one process with the losses of the
 uninterrupted run (the QKV groups and the SwiGLU (gate, up) pairs survive the tp merge); and
-``pretrain_gpt.py --help`` lists the architecture flags.
+``pretrain_gpt.py --help`` lists the architecture flags; a tokenizer.json trained here serves preprocessing,
+training and generation of such a model.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_like.config import build_parser
-from tests.e2e.cli import ISSUE_FLAGS, ROOT, logged_losses, torchrun
+from megatron_like.data.tokenizer import build_tokenizer
+from megatron_like.inference import GenerationParams, generate, load_inference_model
+from megatron_like.parallel_state import ParallelState
+from tests.e2e.cli import ISSUE_FLAGS, ROOT, logged_losses, run_data_tool, torchrun
 
 LLAMA_FLAGS = ISSUE_FLAGS + [
     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
@@ -57,3 +63,30 @@ def test_help_lists_the_architecture_flags():
                  "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
                  "--ffn-hidden-size", "--attention-backend"):
         assert flag in text, flag
+
+
+def test_llama_with_a_trained_huggingface_tokenizer_preprocesses_trains_and_generates(tmp_path):
+    """Megatron's --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (a tokenizer.json trained here by
+    data_tools/train_tokenizer.py, nothing downloaded) through preprocess, training and tools/generate.py."""
+    corpus, tokenizer, data = tmp_path / "corpus.jsonl", tmp_path / "tokenizer", tmp_path / "docs"
+    run_data_tool("make_demo_corpus.py", "--output", corpus, "--max-mb", "0.2")
+    run_data_tool("train_tokenizer.py", "--input", corpus, "--output-dir", tokenizer, "--vocab-size", "512")
+    hf_tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    run_data_tool("preprocess.py", "--input", corpus, "--output-prefix", data, *hf_tokenizer, "--append-eod")
+    flags = [flag for flag in LLAMA_FLAGS if flag != "--mock-data"]
+    at = flags.index("--vocab-size")
+    del flags[at:at + 2]
+    output = torchrun(1, flags + ["--data-path", f"{data}_text_document", "--split", "98,2,0", "--eval-iters", "0",
+                                  "--num-workers", "0", "--save", str(tmp_path / "ckpt")] + hf_tokenizer)
+    losses = logged_losses(output)
+    assert losses[6] < losses[1]
+    generated = subprocess.run(
+        [sys.executable, "tools/generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "def ", "--greedy",
+         "--max-new-tokens", "8", "--json"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    record = json.loads(generated.splitlines()[-1])
+    tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tokenizer))
+    loaded = load_inference_model(str(tmp_path / "ckpt"), ParallelState.single_process(torch.device("cpu")))
+    expected = generate(loaded.model, [tok.tokenize("def ")], GenerationParams(max_new_tokens=8), eod=tok.eod,
+                        vocab_size=loaded.vocab_size)[0][0].token_ids
+    assert record["prompt"] == "def " and record["token_ids"] == expected
+    assert record["text"] == tok.detokenize([t for t in expected if t != tok.eod])
