@@ -193,3 +193,23 @@ def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_pa
         torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pipelined_forward(loaded.model[0], ids)[..., :VOCAB], expected, rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_resuming_with_other_architecture_flags_is_refused_and_old_checkpoints_still_load():
+    from megatron_like.training.checkpointing import CheckpointError, check_compatible
+
+    saved = parse_config(LLAMA_FLAGS)
+    gpt = parse_config(["--mock-data", "--vocab-size", "64", "--untie-embeddings-and-output-weights"])
+    with pytest.raises(CheckpointError, match="has --position-embedding-type rope but this run has learned_absolute"):
+        check_compatible({"config": saved.to_dict()}, gpt, "ckpt")
+    check_compatible({"config": saved.to_dict()}, parse_config(LLAMA_FLAGS), "ckpt")
+    older = gpt.to_dict()  # a checkpoint written before these flags existed (and with the old epsilon name)
+    for name in ("position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
+                 "disable_bias_linear", "add_qkv_bias"):
+        del older["model"][name]
+    older["model"]["layernorm_epsilon"] = older["model"].pop("norm_epsilon")
+    check_compatible({"config": older}, gpt, "ckpt")
+    from megatron_like.config import Config
+
+    older["model"]["layernorm_epsilon"] = 1e-6
+    assert Config.from_dict(older).model.norm_epsilon == 1e-6
