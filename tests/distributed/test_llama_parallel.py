@@ -30,6 +30,7 @@ TP2, TP4 = ["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size
 PP2, SP = ["--pipeline-model-parallel-size", "2"], ["--sequence-parallel"]
 VP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 BF16 = ["--bf16"]
+QWEN = ["--add-qkv-bias"]
 
 
 def zero(stage: int) -> list[str]:
@@ -44,6 +45,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         "dp2-zero1-recompute-selective": zero(1) + ["--recompute-granularity", "selective"],
         "dp2-zero3-offload": zero(3) + ["--optimizer-cpu-offload"],
         "bf16-dp2-zero1": BF16 + zero(1),
+        "qwen-tp2-sp": QWEN + TP2 + SP,
         "bf16-tp2-sp": BF16 + TP2 + SP,
     },
     4: {
@@ -60,8 +62,9 @@ CASES: dict[int, dict[str, list[str]]] = {
 
 @functools.cache
 def reference(precision: str = "fp32") -> dict:
-    """The single-process Llama-style run (one per precision) every case is compared with."""
-    return merge_ranks([train_gpt(0, 1, LLAMA + (BF16 if precision == "bf16" else []))])
+    """The single-process Llama-style run (one per precision; "qwen": with the QKV bias) cases compare with."""
+    extra = {"fp32": [], "bf16": BF16, "qwen": QWEN}[precision]
+    return merge_ranks([train_gpt(0, 1, LLAMA + extra)])
 
 
 @functools.cache
@@ -83,6 +86,9 @@ def test_llama_training_equals_single_process(world_size: int, name: str) -> Non
                                    rtol=1e-4, atol=0)
     elif name.startswith("bf16"):
         assert_close_at_precision(reference("bf16"), run, "bf16")
+    elif name.startswith("qwen"):
+        assert "layers.0.attention.qkv.bias" in run["params"]
+        assert_same_training(reference("qwen"), run)
     else:
         assert_same_training(reference(), run)
 

@@ -213,3 +213,14 @@ def test_resuming_with_other_architecture_flags_is_refused_and_old_checkpoints_s
 
     older["model"]["layernorm_epsilon"] = 1e-6
     assert Config.from_dict(older).model.norm_epsilon == 1e-6
+
+
+def test_no_position_embeddings_at_all():
+    config = llama_config(position_embedding_type="none")
+    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
+    assert not any("position" in name for name, _ in model.named_parameters())
+    assert not model.layers[0].attention.rotary
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(6))
+    loss = model(ids, None, labels=ids).mean()
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers[0].attention.qkv.weight.grad.abs().sum() > 0
