@@ -52,7 +52,8 @@ class ModelConfig:
     hidden_size: int = 64
     """Transformer hidden size h."""
     ffn_hidden_size: int | None = None
-    """Hidden size of the MLP; defaults to 4 * hidden size."""
+    """Hidden size of the MLP; defaults to 4 * hidden size (with --swiglu: 8/3 * hidden size rounded down to a
+    multiple of 64, as Megatron-LM)."""
     num_attention_heads: int = 4
     """Number of attention heads."""
     seq_length: int = 32
@@ -69,13 +70,34 @@ class ModelConfig:
     """Dropout on the attention probabilities."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
-    layernorm_epsilon: float = 1e-5
-    """Epsilon of every LayerNorm."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm or RMSNorm (alias: --layernorm-epsilon)."""
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of sharing the input embedding."""
-    attention_backend: Literal["sdpa", "local"] = "sdpa"
+    attention_backend: Literal["sdpa", "local", "flash", "fused", "unfused", "auto"] = "sdpa"
     """'sdpa': torch's scaled_dot_product_attention (flash kernels on CPU and GPU, the fastest); 'local':
-    explicit q k^T, softmax and v matmuls (easy to read and modify; uses the fused softmax)."""
+    explicit q k^T, softmax and v matmuls (easy to read and modify; uses the fused softmax). Megatron-LM's
+    names are accepted: 'flash', 'fused' and 'auto' mean sdpa, 'unfused' means local."""
+    # ---- decoder architecture (GPT-2/3 defaults; Llama: rope, RMSNorm, swiglu, GQA, no biases) ----
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Positions: a learned table added to the embeddings, rotary embeddings applied to q and k in every
+    layer, or none (--use-rotary-position-embeddings is the legacy spelling of rope)."""
+    rotary_base: int = 10000
+    """Base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization of the layer inputs and the final hidden states."""
+    swiglu: bool = False
+    """SwiGLU MLP: silu(x W_gate) * (x W_up) -> W_down instead of GELU (Llama)."""
+    group_query_attention: bool = False
+    """Grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
+    num_query_groups: int = 1
+    """Key/value heads with --group-query-attention (1 is multi-query attention)."""
+    disable_bias_linear: bool = False
+    """No biases in the attention and MLP linears."""
+    add_qkv_bias: bool = False
+    """Keep the QKV bias with --disable-bias-linear (Qwen2)."""
     masked_softmax_fusion: bool = True
     """With --attention-backend local: the fused csrc scale+mask+softmax instead of torch.softmax."""
     bias_gelu_fusion: bool = True
@@ -110,6 +132,7 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{flag_name(name)} {value} must be in [0, 1)")
+        self.validate_architecture()
         if self.recompute_granularity == "full":
             _require(
                 self.recompute_method is not None,
@@ -125,9 +148,64 @@ class ModelConfig:
                 "--recompute-method needs a positive --recompute-num-layers",
             )
 
+    def validate_architecture(self) -> None:
+        """Rules of the decoder-architecture flags (rotary, norms, grouped-query attention)."""
+        _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
+        _require(self.rotary_base > 0, f"--rotary-base {self.rotary_base} must be positive")
+        _require(self.norm_epsilon > 0, f"--norm-epsilon {self.norm_epsilon} must be positive")
+        if self.position_embedding_type == "rope":
+            rotary_dim = int(self.head_dim * self.rotary_percent)
+            _require(
+                rotary_dim >= 2 and rotary_dim % 2 == 0,
+                f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} gives {rotary_dim} "
+                "rotated dimensions; it must be a positive even number",
+            )
+        if self.group_query_attention:
+            _require(self.num_query_groups > 0, f"--num-query-groups {self.num_query_groups} must be positive")
+            _require(
+                self.num_attention_heads % self.num_query_groups == 0,
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
+                f"{self.num_query_groups}",
+            )
+        else:
+            _require(
+                self.num_query_groups == 1,
+                f"--num-query-groups {self.num_query_groups} needs --group-query-attention",
+            )
+        _require(
+            not self.add_qkv_bias or self.disable_bias_linear,
+            "--add-qkv-bias only matters with --disable-bias-linear (the QKV linear has a bias already)",
+        )
+
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:  # Megatron-LM: keep the parameters of the 4h GELU MLP, in multiples of 64
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: --num-query-groups with --group-query-attention, else one per query head."""
+        return self.num_query_groups if self.group_query_attention else self.num_attention_heads
+
+    @property
+    def attention_core(self) -> str:
+        """Our attention implementation behind --attention-backend: 'sdpa' or 'local'."""
+        return "local" if self.attention_backend in ("local", "unfused") else "sdpa"
+
+    @property
+    def linear_bias(self) -> bool:
+        return not self.disable_bias_linear
+
+    @property
+    def qkv_bias(self) -> bool:
+        return not self.disable_bias_linear or self.add_qkv_bias
 
     @property
     def max_positions(self) -> int:
@@ -433,6 +511,11 @@ class Config:
             f"--hidden-size {m.hidden_size} is not divisible by --tensor-model-parallel-size {tp}",
         )
         _require(
+            m.query_groups % tp == 0,
+            f"--num-query-groups {m.query_groups} is not divisible by --tensor-model-parallel-size {tp} "
+            "(each tp rank holds whole key/value heads)",
+        )
+        _require(
             m.ffn_size % tp == 0,
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
         )
@@ -497,7 +580,11 @@ class Config:
                 continue
             group_cls = _group_classes()[f.name]
             known = {g.name for g in dataclasses.fields(group_cls)}
-            kwargs[f.name] = group_cls(**{k: v for k, v in values.get(f.name, {}).items() if k in known})
+            group_values = dict(values.get(f.name, {}))
+            for (group, old), new in LEGACY_FIELDS.items():
+                if group == f.name and old in group_values:
+                    group_values.setdefault(new, group_values.pop(old))
+            kwargs[f.name] = group_cls(**{k: v for k, v in group_values.items() if k in known})
         return cls(**kwargs)
 
 
@@ -581,11 +668,23 @@ def _add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls
         arg_group.add_argument(flag_name(f.name), **kwargs)
 
 
+def _add_legacy_aliases(parser: argparse.ArgumentParser) -> None:
+    """Older Megatron-LM spellings that scripts still pass; each sets a field of the dataclasses above."""
+    parser.add_argument("--layernorm-epsilon", dest="model.norm_epsilon", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--use-rotary-position-embeddings", dest="model.position_embedding_type",
+                        action="store_const", const="rope", help=argparse.SUPPRESS)
+
+
+LEGACY_FIELDS = {("model", "layernorm_epsilon"): "norm_epsilon"}
+"""Renamed fields: configs saved under the old name (checkpoints) load into the new one."""
+
+
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field (Megatron-LM's names)."""
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     for group_name, group_cls in _group_classes().items():
         _add_group_flags(parser, group_name, group_cls)
+    _add_legacy_aliases(parser)
     return parser
 
 

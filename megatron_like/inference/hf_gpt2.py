@@ -50,7 +50,7 @@ def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> di
         "resid_pdrop": model.hidden_dropout,
         "embd_pdrop": model.hidden_dropout,
         "attn_pdrop": model.attention_dropout,
-        "layer_norm_epsilon": model.layernorm_epsilon,
+        "layer_norm_epsilon": model.norm_epsilon,
         "initializer_range": model.init_method_std,
         "bos_token_id": eos,
         "eos_token_id": eos,
@@ -76,7 +76,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         seq_length=cfg["n_positions"],
         max_position_embeddings=cfg["n_positions"], vocab_size=cfg["vocab_size"],
         hidden_dropout=cfg.get("resid_pdrop", 0.1), attention_dropout=cfg.get("attn_pdrop", 0.1),
-        init_method_std=cfg.get("initializer_range", 0.02), layernorm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
+        init_method_std=cfg.get("initializer_range", 0.02), norm_epsilon=cfg.get("layer_norm_epsilon", 1e-5),
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", True),
     )
 

@@ -1,10 +1,11 @@
 """The key/value cache of generation: what ``GPTModel.forward(..., inference_context=cache)`` reads.
 
-Each layer's keys and values live in one preallocated buffer ``[b, np, max_length, hd]`` (``np`` =
-heads of this tp rank), filled left to right: a prompt of ``s`` tokens fills ``[0, s)`` in one forward
-(prefill), then every decode step appends one position. Prompts of different lengths are *left padded*
-so that every row's next token sits at the same column; ``valid [b, max_length]`` says which columns
-hold real tokens, and the attention mask keeps queries off the padding.
+Each layer's keys and values live in one preallocated buffer ``[b, ng, max_length, hd]`` (``ng`` =
+key/value heads of this tp rank: ``groups / tp`` with grouped-query attention, else ``heads / tp``; the
+buffers take the shape of the first keys stored), filled left to right: a prompt of ``s`` tokens fills
+``[0, s)`` in one forward (prefill), then every decode step appends one position. Prompts of different
+lengths are *left padded* so that every row's next token sits at the same column; ``valid [b, max_length]``
+says which columns hold real tokens, and the attention mask keeps queries off the padding.
 """
 
 from __future__ import annotations

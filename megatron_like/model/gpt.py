@@ -1,4 +1,4 @@
-"""GPT-2/3 language model built from tensor-parallel layers.
+"""GPT-style decoder language model (GPT-2/3, Llama, Mistral, Qwen2; docs/models.md) from tensor-parallel layers.
 
 One ``GPTModel`` is one pipeline chunk: the first chunk owns the embeddings, the last owns the final
 LayerNorm and the output layer, and each holds a contiguous range of global layer indices. With one
@@ -45,7 +45,11 @@ def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1, 
 
 
 class GPTEmbedding(nn.Module):
-    """Word + learned position embeddings, then dropout: ids ``[b, s]`` -> ``[s, b, h]``."""
+    """Word (+ learned position) embeddings, then dropout: ids ``[b, s]`` -> ``[s, b, h]``.
+
+    The position table exists only with ``--position-embedding-type learned_absolute``; rotary positions
+    are applied inside attention instead (megatron_like/model/rotary.py).
+    """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, vocab_size: int, seed: int,
                  sequence_parallel: bool, dtype: torch.dtype) -> None:
@@ -56,24 +60,29 @@ class GPTEmbedding(nn.Module):
             vocab_size, config.hidden_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
             seed=seed, name=WORD_EMBEDDINGS, dtype=dtype, device=ps.device,
         )
-        shape = (config.max_positions, config.hidden_size)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            shape = (config.max_positions, config.hidden_size)
 
-        def draw_positions(out: torch.Tensor) -> None:
-            generator = init_generator(seed, "embedding.position_embeddings.weight")
-            draw_slice(out, normal_init(config.init_method_std), generator, shape)
+            def draw_positions(out: torch.Tensor) -> None:
+                generator = init_generator(seed, "embedding.position_embeddings.weight")
+                draw_slice(out, normal_init(config.init_method_std), generator, shape)
 
-        # Built on the meta device (no draw from the global generator), then given its own parameter.
-        self.position_embeddings = nn.Embedding(*shape, device="meta")
-        self.position_embeddings.weight = mark_replicated(new_parameter(shape, dtype, ps.device, draw_positions),
-                                                          sequence_parallel=False)
+            # Built on the meta device (no draw from the global generator), then given its own parameter.
+            self.position_embeddings = nn.Embedding(*shape, device="meta")
+            self.position_embeddings.weight = mark_replicated(
+                new_parameter(shape, dtype, ps.device, draw_positions), sequence_parallel=False
+            )
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)  # (b, s, h)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        x = self.word_embeddings(input_ids)  # (b, s, h)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
         return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
 
 
 class GPTModel(nn.Module):
-    """A chunk of GPT: [embedding] -> layers -> [final LayerNorm -> output layer -> loss].
+    """A chunk of GPT: [embedding] -> layers -> [final norm -> output layer -> loss].
 
     Args:
         vocab_size: the padded vocabulary (a multiple of tp).

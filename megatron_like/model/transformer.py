@@ -1,4 +1,9 @@
-"""The transformer layer of GPT-2/3: pre-LayerNorm, causal self-attention, GELU MLP, residuals.
+"""The transformer layer: pre-norm, causal self-attention, MLP, residuals.
+
+GPT-2/3 by default (LayerNorm, learned positions added in the embedding, GELU, biases); the Llama family
+with ``--normalization RMSNorm --position-embedding-type rope --swiglu --group-query-attention
+--disable-bias-linear`` (see docs/models.md). Each choice lives in one small function or module
+(``build_norm``, ``apply_rotary``, ``swiglu``), so the forward passes below read the same either way.
 
 Activations are ``[s, b, h]`` (sequence first, as in Megatron): with sequence parallelism the
 LayerNorm/dropout regions hold ``[s / tp, b, h]`` and the tensor-parallel linears gather/scatter at
@@ -22,29 +27,31 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import bias_gelu, scaled_masked_softmax, scaled_upper_triang_masked_softmax
+from megatron_like.model.norms import build_norm
+from megatron_like.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     get_rng_tracker,
-    mark_replicated,
-    new_parameter,
     normal_init,
     scatter_to_sequence_parallel_region,
-    zeros_parameter,
 )
 from megatron_like.tensor_parallel.random import checkpoint
 
+layer_norm = build_norm
+"""The model's --normalization (LayerNorm or RMSNorm); the older name the model files import."""
 
-def layer_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device):
-    """A LayerNorm whose parameters are tagged for the sequence-parallel gradient all-reduce."""
-    h = config.hidden_size
-    # Built on the meta device, then given parameters from new_parameter (ones and zeros): filled now, or at
-    # ZeRO-3 when their unit is sharded (tensor_parallel/initialization.py).
-    norm = nn.LayerNorm(h, eps=config.layernorm_epsilon, device="meta")
-    norm.weight = mark_replicated(new_parameter((h,), dtype, device, lambda out: out.fill_(1.0)), sequence_parallel)
-    norm.bias = mark_replicated(zeros_parameter((h,), dtype, device), sequence_parallel)
-    return norm
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the first MLP linear's output: ``[..., 2 f]`` -> ``[..., f]``, ``silu(gate) * up``.
+
+    The features come in (gate, up) pairs: ``gate_up[..., 2 i]`` is gate feature i and ``gate_up[..., 2 i + 1]``
+    its up feature. Pairs keep a contiguous tensor-parallel slice of the fused weight holding matching gate
+    and up rows at any tp (see MLP). The one function a fused kernel replaces.
+    """
+    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
+    return F.silu(gate) * up
 
 
 def sharded_dropout_context(sequence_parallel: bool):
@@ -66,10 +73,12 @@ def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dro
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention over this rank's ``heads / tp`` heads: causal (GPT) or bidirectional (ViT).
+    """Self-attention over this rank's ``heads / tp`` query heads and ``groups / tp`` key/value heads.
 
-    The fused QKV weight is laid out head by head (``[heads, 3, head_dim]`` output features), so a
-    contiguous tp slice holds whole heads with their q, k and v.
+    Causal (GPT) or bidirectional (ViT). With grouped-query attention ``heads / groups`` query heads share
+    one key/value head (multi-head attention: groups = heads). The fused QKV weight is laid out group by
+    group (Megatron-LM's layout): output features ``[groups, heads / groups + 2, head_dim]``, each group's
+    query heads then its key and its value. A contiguous tp slice so holds whole groups with their queries.
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
@@ -78,40 +87,73 @@ class SelfAttention(nn.Module):
         h = config.hidden_size
         self.causal = causal
         self.heads_per_rank = config.num_attention_heads // ps.tp_size
-        self.head_dim = h // config.num_attention_heads
+        self.groups_per_rank = config.query_groups // ps.tp_size
+        self.head_dim = config.head_dim
+        self.rotary = config.position_embedding_type == "rope"
+        self.rotary_dim, self.rotary_base = int(config.head_dim * config.rotary_percent), config.rotary_base
         self.attention_dropout = config.attention_dropout
-        self.backend, self.softmax_fusion = config.attention_backend, config.masked_softmax_fusion
+        self.backend, self.softmax_fusion = config.attention_core, config.masked_softmax_fusion
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer = layer
+        qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
         self.qkv = ColumnParallelLinear(
-            h, 3 * h, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
-            name=f"layers.{layer}.attention.qkv", sequence_parallel=sequence_parallel, dtype=dtype,
-            device=ps.device,
+            h, qkv_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
+            name=f"layers.{layer}.attention.qkv", bias=config.qkv_bias, sequence_parallel=sequence_parallel,
+            dtype=dtype, device=ps.device,
         )
         # GPT-2's scaled init of the projections that write into the residual stream.
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.proj = RowParallelLinear(
             h, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
-            name=f"layers.{layer}.attention.proj", sequence_parallel=sequence_parallel, dtype=dtype,
-            device=ps.device,
+            name=f"layers.{layer}.attention.proj", bias=config.linear_bias, sequence_parallel=sequence_parallel,
+            dtype=dtype, device=ps.device,
         )
 
-    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``."""
+    def split_qkv(self, qkv: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, (np + 2 ng) hd]`` -> q ``[b, np, s, hd]``, k and v ``[b, ng, s, hd]``, rotated.
+
+        ``offset``: position of the first of the ``s`` tokens (cached tokens in generation); training
+        sees whole sequences (the QKV linear gathered the sequence-parallel shards), so positions are
+        ``0 .. s - 1`` on every tp rank and pipeline stage.
+        """
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # (3, b, np, s, hd)
-        q, k, v = qkv.unbind(0)
+        ng = self.groups_per_rank
+        per_group = self.heads_per_rank // ng
+        qkv = qkv.view(s, b, ng, per_group + 2, self.head_dim)
+        q, k, v = qkv.split([per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
+        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
+        if self.rotary:
+            positions = torch.arange(offset, offset + s, device=qkv.device)
+            cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def merge_heads(self, context: torch.Tensor) -> torch.Tensor:
+        """``[b, np, s, hd]`` -> ``[s, b, np * hd]``."""
+        b, _, s, _ = context.shape
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+
+    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, (np + 2 ng) hd]`` -> ``[s, b, np * hd]``."""
+        q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
+        grouped = self.groups_per_rank != self.heads_per_rank
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
             if self.backend == "sdpa":
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal)
+                context = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout_p, is_causal=self.causal, enable_gqa=grouped
+                )
             else:
                 context = self.local_attention(q, k, v, dropout_p)
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        return self.merge_heads(context)
 
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """The attention core written out: ``[b, np, s, hd]`` q, k, v -> ``[b, np, s, hd]``."""
+        """The attention core written out: q ``[b, np, s, hd]``, k, v ``[b, ng, s, hd]`` -> ``[b, np, s, hd]``."""
+        repeat = self.heads_per_rank // self.groups_per_rank
+        if repeat > 1:  # each key/value head serves the `repeat` consecutive query heads of its group
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scale = 1.0 / math.sqrt(self.head_dim)
         scores = torch.matmul(q, k.transpose(-1, -2))  # (b, np, s, s)
         if self.softmax_fusion and self.causal:
@@ -127,18 +169,19 @@ class SelfAttention(nn.Module):
         return torch.matmul(F.dropout(probs, p=dropout_p, training=dropout_p > 0), v)
 
     def cached_attention(self, qkv: torch.Tensor, inference_context) -> torch.Tensor:
-        """Attention of new tokens over cached ones (generation): ``[s, b, np * 3 * hd]`` -> ``[s, b, np * hd]``.
+        """Attention of new tokens over cached ones (generation): ``[s, b, (np + 2 ng) hd]`` -> ``[s, b, np * hd]``.
 
-        ``inference_context.update_kv(layer, k, v)`` appends this step's keys and values ``[b, np, s, hd]``
-        to its cache and returns every cached key and value ``[b, np, t, hd]`` with the attention mask
-        (bool ``[b, 1, s, t]``, True = attend; None = attend to all) that encodes causality and padding.
+        ``inference_context.update_kv(layer, k, v)`` appends this step's keys and values ``[b, ng, s, hd]``
+        (one per query group: the cache is sized by groups) to its cache and returns every cached key and
+        value ``[b, ng, t, hd]`` with the attention mask (bool ``[b, 1, s, t]``, True = attend; None = attend
+        to all) that encodes causality and padding. Rotary positions continue after the cached tokens.
         """
-        s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # (3, b, np, s, hd)
-        q, k, v = qkv.unbind(0)
-        k, v, mask = inference_context.update_kv(self.layer, k, v)  # (b, np, t, hd)
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, np, s, hd)
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        q, k, v = self.split_qkv(qkv, offset=inference_context.offset)
+        k, v, mask = inference_context.update_kv(self.layer, k, v)  # (b, ng, t, hd)
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.groups_per_rank != self.heads_per_rank
+        )  # (b, np, s, hd)
+        return self.merge_heads(context)
 
     def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
         """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation)."""
@@ -151,32 +194,42 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h -> ffn / tp (GELU, tanh approximation as GPT-2) -> h."""
+    """h -> ffn / tp -> h: GELU (tanh approximation, as GPT-2) or SwiGLU.
+
+    With ``--swiglu`` the first linear computes gate and up together: its ``2 ffn`` output features are
+    (gate, up) pairs (see ``swiglu``), so a contiguous tp slice of the weight holds the gate and up rows of
+    the same ``ffn / tp`` features.
+    """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
                  sequence_parallel: bool, dtype: torch.dtype) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.ffn_size
-        self.bias_gelu_fusion = config.bias_gelu_fusion
+        self.swiglu = config.swiglu
+        self.bias_gelu_fusion = config.bias_gelu_fusion and config.linear_bias and not config.swiglu
         self.fc1 = ColumnParallelLinear(
-            h, ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
-            name=f"layers.{layer}.mlp.fc1", sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
-            skip_bias_add=config.bias_gelu_fusion,
+            h, 2 * ffn if self.swiglu else ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
+            seed=seed, name=f"layers.{layer}.mlp.fc1", bias=config.linear_bias, sequence_parallel=sequence_parallel,
+            dtype=dtype, device=ps.device, skip_bias_add=self.bias_gelu_fusion,
         )
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.fc2 = RowParallelLinear(
             ffn, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
-            name=f"layers.{layer}.mlp.fc2", sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
+            name=f"layers.{layer}.mlp.fc2", bias=config.linear_bias, sequence_parallel=sequence_parallel,
+            dtype=dtype, device=ps.device,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.fc2(swiglu(self.fc1(x)))
         if self.bias_gelu_fusion:  # fc1 left its bias out: one pass adds it and applies GELU
             return self.fc2(bias_gelu(self.fc1(x), self.fc1.bias))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
 class TransformerLayer(nn.Module):
-    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))). ``layer`` is the global layer index.
+    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))). ``layer`` is the global layer index;
+    ln1 and ln2 are the model's --normalization.
 
     ``causal=False`` gives bidirectional attention (ViT); the weights are the same either way.
     """

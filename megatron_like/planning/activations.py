@@ -13,6 +13,16 @@ right ones (units of ``s b h`` unless said)::
     attention core, per a s^2 b, split by tp:
         softmax output e, its dropout mask 1, dropout output e                   -> 2e + 1
 
+The Llama family changes three of these terms (``g`` query groups, ``f = ffn / h``):
+
+* grouped-query attention keeps K and V for ``g`` heads: Q, K, V ``(1 + 2 g / a) e`` (the QKV output) and a
+  copy of Q taken out of the grouped layout ``e``; rotary embeddings keep the rotated Q and K instead of
+  that copy, ``(1 + g / a) e`` (V stays a view of the QKV output);
+* SwiGLU keeps the fused gate/up output ``2 f e``, silu(gate) ``f e`` and its product with up ``f e``
+  (``4 f e`` against GELU's ``2 f e``);
+* the PyTorch RMSNorm keeps its float32 input and normalized rows (``2e`` in fp32, ``4 + e`` in 16-bit)
+  where LayerNorm keeps its input ``e``.
+
 Recomputation removes terms: ``selective`` keeps Q, K, V and re-runs the core (the ``a s^2 b`` terms
 vanish); ``full`` keeps only each checkpointed group's input (``e s b h``, split by tp with sequence
 parallelism) and re-creates one group's activations at a time during backward.
@@ -70,14 +80,21 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     m, p = config.model, config.parallel
     s, b, h, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, m.num_attention_heads
     tp, e = p.tensor_model_parallel_size, element_bytes(config)
-    ffn_ratio = m.ffn_size / h
+    ffn_ratio, group_ratio = m.ffn_size / h, m.query_groups / a
     masks = 2 if m.hidden_dropout > 0 else 0
-    replicated = (4 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
-    split = (4 * e + 2 * e * ffn_ratio) * s * b * h / tp
+    norm_input = e if m.normalization == "LayerNorm" else (2 * e if e == 4 else 4 + e)
+    replicated = (2 * norm_input + 2 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
+    qkv = (1 + 2 * group_ratio) * e
+    if m.position_embedding_type == "rope":
+        qkv += (1 + group_ratio) * e  # the rotated Q and K
+    elif m.query_groups != a:
+        qkv += e  # Q copied out of the grouped QKV layout
+    mlp = (4 if m.swiglu else 2) * e * ffn_ratio
+    split = (qkv + e + mlp) * s * b * h / tp
     core = 0.0
     attention_dropout = m.attention_dropout > 0
     if recompute != "selective":
-        if m.attention_backend == "local":
+        if m.attention_core == "local":
             core = (e + (1 + e if attention_dropout else 0)) * a * s * s * b / tp
         elif device == "cpu" and attention_dropout:
             core = 12 * a * s * s * b / tp

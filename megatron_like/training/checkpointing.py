@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config
+from megatron_like.config import Config, ModelConfig
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
 from megatron_like.training.resume import resume_notice
@@ -180,11 +180,14 @@ def check_compatible(saved: dict, config: Config, path: str) -> None:
     """Refuse a checkpoint whose model shape or parallel layout differs from this run's flags."""
     saved_model, saved_parallel = saved["config"]["model"], saved["config"]["parallel"]
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                 "max_position_embeddings", "untie_embeddings_and_output_weights"):
-        if saved_model.get(name) != getattr(config.model, name):
+                 "max_position_embeddings", "untie_embeddings_and_output_weights",
+                 "position_embedding_type", "normalization", "swiglu", "group_query_attention",
+                 "num_query_groups", "disable_bias_linear", "add_qkv_bias"):
+        saved_value = saved_model.get(name, ModelConfig.__dataclass_fields__[name].default)  # older checkpoints
+        if saved_value != getattr(config.model, name):
             flag = "--" + name.replace("_", "-")
             raise CheckpointError(
-                f"checkpoint {path} has {flag} {saved_model.get(name)} but this run has "
+                f"checkpoint {path} has {flag} {saved_value} but this run has "
                 f"{getattr(config.model, name)}; pass the checkpoint's value"
             )
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):

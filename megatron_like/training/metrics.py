@@ -8,7 +8,10 @@ from megatron_like.config import Config
 def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
     """Parameters that take part in matmuls: the layers' linears plus the output layer."""
     m = config.model
-    per_layer = 4 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.ffn_size
+    h = m.hidden_size
+    qkv_out = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim  # fewer K, V heads with GQA
+    mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate, up and down
+    per_layer = h * qkv_out + h * h + mlp_matrices * h * m.ffn_size
     return m.num_layers * per_layer + padded_vocab_size * m.hidden_size
 
 

@@ -40,11 +40,19 @@ def parallel_worker(rank: int, world_size: int, tp: int, pp: int, checkpoint: st
     return run_all(ps, checkpoint)
 
 
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+             num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+"""A Llama-style model: each tp=2 rank caches one key/value head for its two query heads."""
+
+
 @functools.cache
-def checkpoint_and_reference(tmp: str) -> tuple[str, dict]:
+def checkpoint_and_reference(tmp: str, llama: bool = False) -> tuple[str, dict]:
     """A tp=2 checkpoint of a model with a large init (so tokens depend on attention) and its tp=1 outputs."""
     config = make_config(tp=2, pp=1)
     config.model.init_method_std = 0.3
+    if llama:
+        for name, value in LLAMA.items():
+            setattr(config.model, name, value)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=104, seed=2)
     write_checkpoint(tmp, config, gather_full_state([model]), config.padded_vocab_size(100))
@@ -57,9 +65,14 @@ def saved(tmp_path_factory):
     return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_ckpt")))
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_parallel_generation_equals_single_process(saved, tp, pp):
-    checkpoint, reference = saved
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_llama_ckpt")), llama=True)
+
+
+@pytest.mark.parametrize("tp,pp,llama", [(2, 1, False), (1, 2, False), (2, 1, True)], ids=["tp2", "pp2", "tp2-llama"])
+def test_parallel_generation_equals_single_process(request, tp, pp, llama):
+    checkpoint, reference = request.getfixturevalue("saved_llama" if llama else "saved")
     results = run_distributed(parallel_worker, tp * pp, tp, pp, checkpoint, timeout=120)
     for rank_result in results:  # every rank holds the same answer, the single process's when seeded
         assert rank_result == results[0]

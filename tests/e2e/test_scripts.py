@@ -17,7 +17,10 @@ from megatron_like.training.metrics import format_log_line
 from tests.e2e.cli import ROOT
 
 SCRIPTS = ["pretrain_gpt_345M.sh", "pretrain_gpt_1.3B.sh", "pretrain_gpt_6.7B.sh", "pretrain_gpt_175B.sh",
-           "pretrain_gpt_tiny_cpu.sh"]
+           "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_70B.sh"]
+LLAMA_PARAMETERS = {"pretrain_llama2_7B.sh": 6.74e9, "pretrain_llama3_8B.sh": 8.03e9, "pretrain_llama3_70B.sh": 70.6e9}
+"""The published parameter counts of Llama 2 7B, Llama 3 8B and Llama 3 70B."""
+PARAMETERS = re.compile(r"^ > model parameters: ([0-9.]+) B", re.MULTILINE)
 MAX_MEMORY = re.compile(r"^max memory per device: ([0-9.]+) GiB", re.MULTILINE)
 ROW = re.compile(r"^\s+(\d+) \|", re.MULTILINE)
 
@@ -49,8 +52,12 @@ def test_every_launch_script_plans_within_80_gib(capsys):
         args = shlex.split(echoed)
         assert args[0] == "tools/plan.py", echoed
         assert plan_tool.main(args[1:]) == 0, name
-        memory = MAX_MEMORY.search(capsys.readouterr().out)
+        out = capsys.readouterr().out
+        memory = MAX_MEMORY.search(out)
         assert memory and 0 < float(memory.group(1)) < 80, name
+        if name in LLAMA_PARAMETERS:  # the planner counts the model the flags build (meta tensors)
+            count = float(PARAMETERS.search(out).group(1)) * 1e9
+            assert abs(count - LLAMA_PARAMETERS[name]) / LLAMA_PARAMETERS[name] < 0.005, (name, count)
 
 
 def _write_log(path: str) -> None:

@@ -128,3 +128,44 @@ def test_plan_tool_exits_nonzero_when_a_rank_exceeds_the_device_memory(capsys):
     assert "max memory per device:" in capsys.readouterr().out
     assert plan_tool.main(GPT3_175B + ["--world-size", "1024", "--device-memory-gib", "8"]) == 1
     assert "error: pipeline rank 0 needs" in capsys.readouterr().err
+
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+LAYER = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "64",
+         "--micro-batch-size", "4", "--mock-data", "--vocab-size", "1024", "--hidden-dropout", "0",
+         "--attention-dropout", "0"]
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--bf16"], LLAMA, LLAMA + ["--bf16"], ["--swiglu"], GQA,
+                                   ["--position-embedding-type", "rope"], ["--normalization", "RMSNorm"],
+                                   ["--normalization", "RMSNorm", "--bf16"]],
+                         ids=["gpt", "gpt-bf16", "llama", "llama-bf16", "swiglu", "gqa", "rope", "rmsnorm",
+                              "rmsnorm-bf16"])
+def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
+    """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
+    planner's per-layer formula, for each architecture option alone and for Llama."""
+    import torch
+
+    from megatron_like.model.transformer import TransformerLayer
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.planning.activations import layer_activation_bytes
+
+    config = parse_config(LAYER + extra)
+    dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
+    layer = TransformerLayer(config.model, ParallelState.single_process(torch.device("cpu")), 0, 1, False, dtype)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        layer(x)
+    measured = sum(saved.values())
+    assert layer_activation_bytes(config, None, "cpu") == pytest.approx(measured, rel=0.02)

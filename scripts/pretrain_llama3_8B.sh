@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Llama 3 8B (Llama Team 2024): 32 layers, hidden 4096, 32 query heads in 8 key/value groups, SwiGLU ffn 14336,
+# RMSNorm, rotary positions (base 500000), no biases, untied output layer, 8192 tokens, 128256-token
+# vocabulary, 4M tokens per batch. Eight nodes of 8 GPUs: tp 2 with sequence parallelism (Megatron-LM's
+# example splits the sequence with context parallelism 2 instead; tp 2 + sp halves the activations the
+# same way), selective recompute, ZeRO-1 over 32 data-parallel ranks. See docs/models.md.
+#
+# Multi-node: run this script on every node with the same MASTER_ADDR/MASTER_PORT and NODE_RANK = 0..NNODES-1
+# (scripts/slurm_pretrain_gpt.sh does that under SLURM). Preemption: SIGTERM/SIGUSR1 make every rank save
+# and exit 0; with MAX_RESTARTS > 0 torchrun restarts the workers after a failure and --load resumes from
+# the latest checkpoint.
+#   DRY_RUN=1 bash scripts/pretrain_llama3_8B.sh   # print the per-rank memory plan (tools/plan.py) and exit; no GPU needed
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-8}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+
+DATA_PATH=${DATA_PATH:-data/my-llama_text_document}
+# The model's tokenizer.json (a Hugging Face tokenizer directory or file); no network access is needed.
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-tokenizers/llama3_8B}
+VOCAB_SIZE=128256  # the tokenizer's vocabulary; given to the planner, which opens no files
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/llama3_8B}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-$CHECKPOINT_PATH/tensorboard}
+
+MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+            --ffn-hidden-size 14336 --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
+            --rotary-base 500000 --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear
+            --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.02
+            --recompute-granularity selective)
+PARALLEL_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --sequence-parallel
+               --use-distributed-optimizer --overlap-grad-reduce)
+TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 512 --train-iters 500000 --lr 3e-4 --min-lr 3e-5
+               --lr-decay-style cosine --lr-warmup-iters 2000 --weight-decay 0.1 --clip-grad 1.0
+               --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --bf16 --seed 1234)
+DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type HuggingFaceTokenizer
+           --tokenizer-model "$TOKENIZER_MODEL" --num-workers 2)
+CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval 1000)
+LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorboard-dir "$TENSORBOARD_DIR"
+              --distributed-timeout-minutes 10)
+
+ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
+      "${LOGGING_ARGS[@]}")
+
+if [ "${DRY_RUN:-0}" = 1 ]; then
+    exec "$PYTHON" tools/plan.py --world-size "$WORLD_SIZE" "${ARGS[@]}" --vocab-size "$VOCAB_SIZE"
+fi
+exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
+    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
+    pretrain_gpt.py "${ARGS[@]}"

@@ -1,0 +1,226 @@
+"""The Llama-family architecture flags on one process: the model equals Hugging Face's LlamaForCausalLM.
+
+Our weights map onto transformers' by layout alone (QKV grouped per key/value head, fc1 as (gate, up)
+pairs; see megatron_like/model/transformer.py), so equal logits prove rotary positions, RMSNorm, SwiGLU and
+grouped-query attention mean what Llama means. Generation with the KV cache (rotary offsets, a cache sized
+by query groups) must equal the full forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_like.config import ConfigError, ModelConfig, parse_config
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+
+H, HEADS, GROUPS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 128
+
+
+def llama_config(**overrides) -> ModelConfig:
+    values = dict(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, seq_length=16,
+                  position_embedding_type="rope", rotary_base=500000, normalization="RMSNorm", swiglu=True,
+                  group_query_attention=True, num_query_groups=GROUPS, disable_bias_linear=True,
+                  ffn_hidden_size=FFN, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+    values.update(overrides)
+    config = ModelConfig(**values)
+    config.validate()
+    return config
+
+
+def from_hf_llama(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict from a LlamaForCausalLM state dict (the layouts, written out)."""
+    hd = H // HEADS
+    ours = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+            "final_layernorm.weight": state["model.norm.weight"], "output_layer.weight": state["lm_head.weight"]}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        q = state[p + "self_attn.q_proj.weight"].view(GROUPS, HEADS // GROUPS, hd, H)
+        k = state[p + "self_attn.k_proj.weight"].view(GROUPS, 1, hd, H)
+        v = state[p + "self_attn.v_proj.weight"].view(GROUPS, 1, hd, H)
+        ours[f"layers.{i}.attention.qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
+        ours[f"layers.{i}.attention.proj.weight"] = state[p + "self_attn.o_proj.weight"]
+        gate, up = state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]
+        ours[f"layers.{i}.mlp.fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, H)
+        ours[f"layers.{i}.mlp.fc2.weight"] = state[p + "mlp.down_proj.weight"]
+        ours[f"layers.{i}.ln1.weight"] = state[p + "input_layernorm.weight"]
+        ours[f"layers.{i}.ln2.weight"] = state[p + "post_attention_layernorm.weight"]
+    return ours
+
+
+@pytest.fixture(scope="module")
+def hf_and_ours():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS, intermediate_size=FFN,
+        num_hidden_layers=LAYERS, vocab_size=VOCAB, rope_theta=500000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, max_position_embeddings=64, initializer_range=0.3)).eval()  # attention matters
+    ours = GPTModel(llama_config(), ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
+    ours.load_state_dict(from_hf_llama(hf.state_dict()))
+    return hf, ours.eval()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "unfused"])
+def test_llama_logits_equal_transformers(hf_and_ours, backend):
+    hf, ours = hf_and_ours
+    ours.layers[0].attention.backend = ours.layers[1].attention.backend = ModelConfig(
+        attention_backend=backend).attention_core
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        logits = ours(ids, None)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_decoding_equals_full_forward(hf_and_ours):
+    """Prefill 5 tokens, then decode one at a time: rotary positions continue after the cache."""
+    from megatron_like.inference.kv_cache import KVCache
+
+    _, ours = hf_and_ours
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    cache = KVCache(batch_size=2, max_length=9)
+    with torch.no_grad():
+        full = ours(ids, None)
+        steps = [ours(ids[:, :5], None, inference_context=cache)]
+        cache.advance(5)
+        for t in range(5, 9):
+            steps.append(ours(ids[:, t:t + 1], None, inference_context=cache))
+            cache.advance(1)
+    assert cache.keys[0].shape[1] == GROUPS  # the cache holds one key head per query group
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_and_beam_search_equal_transformers_generate(hf_and_ours):
+    """Left-padded batches with the KV cache: greedy equals HF greedy per prompt; beam search equals HF's."""
+    from megatron_like.inference import GenerationParams, generate
+
+    hf, ours = hf_and_ours
+    prompts = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]]
+    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=10), vocab_size=VOCAB)
+    uncached = generate(ours, prompts, GenerationParams(max_new_tokens=10, use_cache=False), vocab_size=VOCAB)
+    beams = generate(ours, prompts[:1], GenerationParams(max_new_tokens=6, num_beams=3, num_return_sequences=2),
+                     vocab_size=VOCAB)[0]
+    for prompt, ours_greedy, ours_uncached in zip(prompts, greedy, uncached):
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours_greedy[0].token_ids == ours_uncached[0].token_ids == theirs
+    ids = torch.tensor([prompts[0]])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                      do_sample=False, eos_token_id=None, pad_token_id=0, length_penalty=1.0)
+    assert [g.token_ids for g in beams] == out[:, len(prompts[0]):].tolist()
+
+
+def test_partial_rotary_leaves_the_other_dimensions_alone():
+    from megatron_like.model.rotary import apply_rotary, rotary_cos_sin
+
+    x = torch.randn(1, 2, 5, 16)
+    cos, sin = rotary_cos_sin(torch.arange(5), rotary_dim=8, base=10000)
+    y = apply_rotary(x, cos, sin)
+    assert torch.equal(y[..., 8:], x[..., 8:]) and not torch.allclose(y[..., :8], x[..., :8])
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps lengths
+    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])  # position 0 is not rotated
+
+
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
+               "--norm-epsilon", "1e-6", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+               "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--mock-data", "--vocab-size", "64"]
+
+
+def test_megatron_llama_flags_parse():
+    m = parse_config(LLAMA_FLAGS).model
+    assert (m.position_embedding_type, m.rotary_base, m.normalization, m.norm_epsilon) == ("rope", 500000,
+                                                                                            "RMSNorm", 1e-6)
+    assert m.swiglu and m.query_groups == 2 and not m.linear_bias and not m.qkv_bias
+    assert m.ffn_size == int((4 * 64 * 2 / 3) / 64) * 64  # Megatron's SwiGLU default
+    legacy = parse_config(["--use-rotary-position-embeddings", "--layernorm-epsilon", "1e-6", "--mock-data",
+                           "--vocab-size", "64"]).model
+    assert legacy.position_embedding_type == "rope" and legacy.norm_epsilon == 1e-6
+    for megatron, ours in [("flash", "sdpa"), ("fused", "sdpa"), ("auto", "sdpa"), ("unfused", "local"),
+                           ("local", "local")]:
+        assert parse_config(["--attention-backend", megatron, "--mock-data", "--vocab-size", "64"]
+                            ).model.attention_core == ours
+    qwen = parse_config(LLAMA_FLAGS + ["--add-qkv-bias"]).model
+    assert qwen.qkv_bias and not qwen.linear_bias
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-query-groups", "3"], "--num-attention-heads 4 is not divisible by --num-query-groups 3"),
+    (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"],
+     "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+    (["--rotary-percent", "0"], "--rotary-percent 0.0 must be in (0, 1]"),
+    (["--rotary-percent", "1.5"], "--rotary-percent 1.5 must be in (0, 1]"),
+])
+def test_bad_architecture_flags_are_one_line_errors(flags, message):
+    base = ["--group-query-attention", "--num-attention-heads", "4", "--mock-data", "--vocab-size", "64"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_config(base + flags, world_size=4)
+
+
+def test_other_bad_combinations():
+    with pytest.raises(ConfigError, match="needs --group-query-attention"):
+        parse_config(["--num-query-groups", "2", "--mock-data", "--vocab-size", "64"])
+    with pytest.raises(ConfigError, match="--add-qkv-bias only matters with --disable-bias-linear"):
+        parse_config(["--add-qkv-bias", "--mock-data", "--vocab-size", "64"])
+
+
+def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_path):
+    """tools/export.py's torch.export program and the evaluation loop on a saved Llama-style checkpoint."""
+    import os
+    import sys
+
+    from megatron_like.config import Config
+    from megatron_like.inference.evaluation import pipelined_forward
+    from megatron_like.model.state import gather_full_state
+    from tests.unit.test_generation_state import write_checkpoint
+
+    _, ours = hf_and_ours
+    config = Config(model=llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32))
+    config.data.mock_data = True
+    write_checkpoint(str(tmp_path), config, gather_full_state([ours]), VOCAB)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    try:
+        import export
+    finally:
+        sys.path.pop(0)
+    program, loaded = export.export_program(str(tmp_path))
+    ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ours(ids, None)
+        torch.testing.assert_close(program.module()(ids), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pipelined_forward(loaded.model[0], ids)[..., :VOCAB], expected, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_resuming_with_other_architecture_flags_is_refused_and_old_checkpoints_still_load():
+    from megatron_like.training.checkpointing import CheckpointError, check_compatible
+
+    saved = parse_config(LLAMA_FLAGS)
+    gpt = parse_config(["--mock-data", "--vocab-size", "64", "--untie-embeddings-and-output-weights"])
+    with pytest.raises(CheckpointError, match="has --position-embedding-type rope but this run has learned_absolute"):
+        check_compatible({"config": saved.to_dict()}, gpt, "ckpt")
+    check_compatible({"config": saved.to_dict()}, parse_config(LLAMA_FLAGS), "ckpt")
+    older = gpt.to_dict()  # a checkpoint written before these flags existed (and with the old epsilon name)
+    for name in ("position_embedding_type", "normalization", "swiglu", "group_query_attention", "num_query_groups",
+                 "disable_bias_linear", "add_qkv_bias"):
+        del older["model"][name]
+    older["model"]["layernorm_epsilon"] = older["model"].pop("norm_epsilon")
+    check_compatible({"config": older}, gpt, "ckpt")
+    from megatron_like.config import Config
+
+    older["model"]["layernorm_epsilon"] = 1e-6
+    assert Config.from_dict(older).model.norm_epsilon == 1e-6
+
+
+def test_no_position_embeddings_at_all():
+    config = llama_config(position_embedding_type="none")
+    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
+    assert not any("position" in name for name, _ in model.named_parameters())
+    assert not model.layers[0].attention.rotary
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(6))
+    loss = model(ids, None, labels=ids).mean()
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers[0].attention.qkv.weight.grad.abs().sum() > 0
