@@ -10,6 +10,7 @@ datasets provider. Everything else lives in ``megatron_like.training.pretrain``.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,9 @@ from megatron_like.config import Config, parse_config_or_exit
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
+from megatron_like.training.checkpointing import CheckpointError
 from megatron_like.training.loop import check_supported
+from megatron_like.training.preflight import check_data_prefixes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,13 +102,25 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
     )
 
 
+def check_gpt_flags(config: Config) -> None:
+    """check_supported plus the GPT data files (before any process group starts)."""
+    check_supported(config)
+    if not config.data.mock_data:
+        check_data_prefixes(config.data.data_path)
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config_or_exit(argv, extra_check=check_supported)
+    config = parse_config_or_exit(argv, extra_check=check_gpt_flags)
     vocab_size, eod = vocab_and_eod(config)
     padded_vocab_size = config.padded_vocab_size(vocab_size)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
-    pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
+    try:
+        pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
+    except CheckpointError as error:  # already agreed by every rank: each prints the line and leaves
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        comm.shutdown()
+        raise SystemExit(1) from None
     comm.shutdown()
 
 

@@ -79,6 +79,11 @@ def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch
     return tensor
 
 
+def world_group() -> Group:
+    """Every process of the job, or None when no process group was started (one process)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
 def first_error(message: str | None, group: Group, device: torch.device | str = "cpu") -> str | None:
     """Agree on failure: every rank of ``group`` passes its error (None = fine) and gets the same answer.
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_like import collectives as comm
 from megatron_like.inference.generation import GenerationParams, generate
@@ -42,17 +41,12 @@ class Outcome:
     message: str | None = None
 
 
-def world_group() -> comm.Group:
-    """The server's ranks (all of them: it runs one model replica), None in one process."""
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
 def broadcast_request(request: dict | None, device: torch.device) -> dict | None:
     """Send rank 0's ``request`` (None = stop) to every rank; returns it everywhere.
 
     The bytes travel in tensors on ``device`` (the model's): NCCL broadcasts device tensors only.
     """
-    group = world_group()
+    group = comm.world_group()
     if group is None:
         return request
     payload = json.dumps(request).encode() if comm.group_rank(group) == 0 else b""
@@ -94,7 +88,7 @@ def serve_request(loaded: InferenceModel, request: dict, device: torch.device) -
     Phase 2 (``generate``) runs collectives; its failures are agreed when every rank raises at the same
     step (the module docstring says why that covers request-dependent failures).
     """
-    group = world_group()
+    group = comm.world_group()
     params, error = _attempt(lambda: prepare_request(loaded, request))
     agreed = comm.first_error(error, group, device)
     if agreed is None:
