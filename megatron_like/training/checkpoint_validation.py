@@ -78,14 +78,18 @@ def read_checkpoint_file(path: str, mmap: bool = False) -> dict[str, Any]:
 
 
 def _check_model_tensors(state: dict, model: list[nn.Module], path: str) -> None:
-    """The saved chunk states have this rank's parameter names and shapes (shapes where the model holds data)."""
+    """The saved chunk states have this rank's parameter names and shapes (shapes where the model holds data:
+    a ZeRO-3 parameter is empty between uses)."""
     saved = state.get("model")
     if not isinstance(saved, list) or len(saved) != len(model):
         count = len(saved) if isinstance(saved, list) else "no"
         raise CheckpointError(f"checkpoint file {path} holds {count} model chunk(s), this run builds {len(model)}")
     for index, (chunk, chunk_state) in enumerate(zip(model, saved)):
         expected = chunk.state_dict()
-        missing = sorted(set(expected) - set(chunk_state))
+        # Every parameter must be saved; buffers may be absent (e.g. QAT ranges when fine-tuning a float
+        # checkpoint: the quantizers load nothing then), but nothing unknown may be present.
+        parameters = {name for name, _ in chunk.named_parameters(remove_duplicate=False)} & set(expected)
+        missing = sorted(parameters - set(chunk_state))
         extra = sorted(set(chunk_state) - set(expected))
         if missing or extra:
             names = ", ".join((["missing " + n for n in missing] + ["unexpected " + n for n in extra])[:3])

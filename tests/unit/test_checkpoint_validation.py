@@ -30,7 +30,7 @@ class Payload:
 def build(root: str, *extra: str):
     config = parse_config(FLAGS + ["--save", root, "--load", root, *extra], world_size=1)
     ps = ParallelState.single_process(torch.device("cpu"))
-    model = [GPTModel(config.model, ps, vocab_size=64, seed=1)]
+    model = [GPTModel(config.model, ps, vocab_size=config.padded_vocab_size(config.model.vocab_size), seed=1)]
     return config, ps, model, torch.optim.AdamW(model[0].parameters(), lr=1e-3)
 
 
@@ -96,6 +96,9 @@ def test_tracker_and_layout_problems_are_refused(saved, tmp_path):
     assert "--hidden-size 32 but this run has 64" in refusal(root, "--hidden-size", "64")
     assert "--num-layers 2 but this run has 4" in refusal(root, "--num-layers", "4")
     assert "--untie-embeddings-and-output-weights" in refusal(root, "--untie-embeddings-and-output-weights")
+    # Not a flag check_compatible compares: the tensors themselves must fit.
+    assert "embedding.word_embeddings.weight has shape (64, 32), this model has (128, 32)" in \
+        refusal(root, "--vocab-size", "128")
 
 
 def agreement_worker(rank: int, world_size: int, root: str) -> str:
