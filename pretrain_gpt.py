@@ -10,7 +10,6 @@ datasets provider. Everything else lives in ``megatron_like.training.pretrain``.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from megatron_like.config import Config, parse_config_or_exit
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
-from megatron_like.training.checkpointing import CheckpointError
+from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import check_supported
 from megatron_like.training.preflight import check_data_prefixes
 
@@ -115,12 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     padded_vocab_size = config.padded_vocab_size(vocab_size)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
-    try:
+    with exit_on_checkpoint_error():  # a broken checkpoint or a busy --save: one line, status 1
         pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
-    except CheckpointError as error:  # already agreed by every rank: each prints the line and leaves
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        comm.shutdown()
-        raise SystemExit(1) from None
     comm.shutdown()
 
 

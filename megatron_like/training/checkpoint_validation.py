@@ -17,10 +17,13 @@ starts training while another one stops. The entry point prints it and exits wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
+import sys
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -145,3 +148,15 @@ def validate_checkpoint(root: str, config: Config, ps: ParallelState, model: lis
     agreed = comm.first_error(error, comm.world_group(), ps.device)
     if agreed is not None:
         raise CheckpointError(agreed)
+
+
+@contextlib.contextmanager
+def exit_on_checkpoint_error() -> Iterator[None]:
+    """For entry points: a CheckpointError (agreed by every rank) prints ``error: ...`` on each rank and
+    exits with status 1, after leaving the process group cleanly (no traceback)."""
+    try:
+        yield
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        comm.shutdown()
+        raise SystemExit(1) from None
