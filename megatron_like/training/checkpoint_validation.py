@@ -98,7 +98,7 @@ def _check_model_tensors(state: dict, model: list[nn.Module], path: str) -> None
             names = ", ".join((["missing " + n for n in missing] + ["unexpected " + n for n in extra])[:3])
             raise CheckpointError(f"checkpoint file {path} chunk {index} does not fit this model: {names}")
         for name, tensor in expected.items():
-            got = chunk_state[name]
+            got = chunk_state.get(name)
             if tensor.numel() and isinstance(got, torch.Tensor) and got.shape != tensor.shape:
                 raise CheckpointError(f"checkpoint file {path}: {name} has shape {tuple(got.shape)}, this model "
                                       f"has {tuple(tensor.shape)}")
