@@ -32,6 +32,7 @@ from megatron_like.data.classification_dataset import EpochDataset, SentencePair
 from megatron_like.model.classification import GPTClassificationModel, load_pretrained_gpt
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
+from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import TrainingResult, check_supported
 from tasks.common import parse_task_args, print_last_rank, run_or_exit
 from tasks.evaluation import classification_counts, evaluate_dataset
@@ -171,7 +172,8 @@ def finetune(config: Config, task: ClassificationConfig, ps: ParallelState | Non
 
 def main(argv: list[str] | None = None) -> None:
     config, task = run_or_exit(lambda: build_config(argv))
-    finetune(config, task)
+    with exit_on_checkpoint_error():
+        finetune(config, task)
     comm.shutdown()
 
 

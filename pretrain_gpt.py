@@ -20,7 +20,9 @@ from megatron_like.config import Config, parse_config_or_exit
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
+from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import check_supported
+from megatron_like.training.preflight import check_data_prefixes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,13 +101,21 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
     )
 
 
+def check_gpt_flags(config: Config) -> None:
+    """check_supported plus the GPT data files (before any process group starts)."""
+    check_supported(config)
+    if not config.data.mock_data:
+        check_data_prefixes(config.data.data_path)
+
+
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config_or_exit(argv, extra_check=check_supported)
+    config = parse_config_or_exit(argv, extra_check=check_gpt_flags)
     vocab_size, eod = vocab_and_eod(config)
     padded_vocab_size = config.padded_vocab_size(vocab_size)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
-    pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
+    with exit_on_checkpoint_error():  # a broken checkpoint or a busy --save: one line, status 1
+        pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
     comm.shutdown()
 
 

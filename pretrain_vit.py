@@ -34,6 +34,7 @@ from megatron_like.data.image_folder import (
 from megatron_like.model.vit import VisionConfig, ViTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
+from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import TrainingResult, check_supported
 from tasks.common import parse_task_args, print_last_rank, run_or_exit
 from tasks.evaluation import classification_counts, evaluate_dataset
@@ -138,7 +139,8 @@ def train_vit(config: Config, vision: VisionConfig, ps: ParallelState | None = N
 
 def main(argv: list[str] | None = None) -> None:
     config, vision = run_or_exit(lambda: build_config(argv))
-    train_vit(config, vision)
+    with exit_on_checkpoint_error():
+        train_vit(config, vision)
     comm.shutdown()
 
 

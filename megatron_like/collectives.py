@@ -79,6 +79,37 @@ def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch
     return tensor
 
 
+def world_group() -> Group:
+    """Every process of the job, or None when no process group was started (one process)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def first_error(message: str | None, group: Group, device: torch.device | str = "cpu") -> str | None:
+    """Agree on failure: every rank of ``group`` passes its error (None = fine) and gets the same answer.
+
+    Returns None when no rank failed, else the message of the lowest failing rank. Two collectives (an
+    all-reduce of the failing ranks, then a broadcast of one message), so the ranks stay in lockstep
+    whatever failed where.
+    """
+    if group is None:
+        return message
+    world, rank = group_size(group), dist.get_rank()
+    failing = torch.tensor([rank if message is not None else dist.get_world_size()], dtype=torch.long,
+                           device=device)  # global ranks; NCCL needs device tensors
+    dist.all_reduce(failing, op=dist.ReduceOp.MIN, group=group)
+    src = int(failing)
+    if src >= dist.get_world_size():
+        return None
+    payload = (message or "").encode()[: 1 << 16] if rank == src else b""
+    size = torch.tensor([len(payload)], dtype=torch.long, device=device)
+    dist.broadcast(size, src=src, group=group)
+    data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if payload
+            else torch.empty(int(size), dtype=torch.uint8, device=device))
+    if world > 1 and int(size) > 0:
+        dist.broadcast(data, src=src, group=group)
+    return data.cpu().numpy().tobytes().decode(errors="replace")
+
+
 def shutdown() -> None:
     """Leave the process group cleanly at the end of a run: wait for every rank, then free the backend.
 

@@ -679,9 +679,40 @@ LEGACY_FIELDS = {("model", "layernorm_epsilon"): "norm_epsilon"}
 """Renamed fields: configs saved under the old name (checkpoints) load into the new one."""
 
 
+# ---------------------------------------------------------------- argument errors: one line, printed once
+
+
+def print_once(message: str) -> None:
+    """Print ``message`` to stderr on global rank 0 only (every rank of a launch parses the same flags)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+class QuietArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad command line prints one line (rank 0) with a ``--help`` hint, not the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        print_once(f"error: {message} (see {self.prog} --help)")
+        raise SystemExit(2)
+
+
+def no_effect_warnings(config: Config) -> list[str]:
+    """Flags that change nothing in this layout: one line each (warnings, as Megatron: the run is valid)."""
+    p, warnings = config.parallel, []
+    if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+        warnings.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1")
+    if p.overlap_grad_reduce and config.data_parallel_size == 1:
+        warnings.append("--overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)")
+    if config.checkpoint.save_interval and not config.checkpoint.save:
+        warnings.append("--save-interval has no effect without --save")
+    if config.data.eod_mask_loss and config.data.mock_data:
+        warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
+    return warnings
+
+
 def build_parser(description: str = "Megatron-style GPT pretraining") -> argparse.ArgumentParser:
     """An argparse parser with one flag per config field (Megatron-LM's names)."""
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = QuietArgumentParser(description=description, allow_abbrev=False)
     for group_name, group_cls in _group_classes().items():
         _add_group_flags(parser, group_name, group_cls)
     _add_legacy_aliases(parser)
@@ -716,9 +747,9 @@ def parse_config_or_exit(
         config = parse_config(argv)
         if extra_check is not None:
             extra_check(config)
-        return config
     except ConfigError as error:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        print_once(f"error: {error}")
         raise SystemExit(2) from None
+    for warning in no_effect_warnings(config):
+        print_once(f"warning: {warning}")
+    return config

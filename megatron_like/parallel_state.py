@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_like.config import ConfigError, ParallelConfig
+from megatron_like.launcher_guard import die_with_launcher
 
 
 def pick_device_and_backend(requested_backend: str | None = None) -> tuple[torch.device, str]:
@@ -147,6 +148,7 @@ class ParallelState:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
+            die_with_launcher()  # a worker must not outlive torchrun (no orphans writing checkpoints)
             timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
             # With NCCL, device_id binds the process to its GPU and forms NCCL's world communicator now, with
             # every rank: the pipeline's first batch_isend_irecv (between neighbours only) must not be the

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from megatron_like.config import Config, ConfigError, _add_group_flags, build_parser, config_from_namespace
+from megatron_like.config import (
+    Config,
+    ConfigError,
+    _add_group_flags,
+    build_parser,
+    config_from_namespace,
+    print_once,
+)
 
 TaskConfig = TypeVar("TaskConfig")
 
@@ -40,8 +46,7 @@ def run_or_exit(check: Callable[[], Any]) -> Any:
     try:
         return check()
     except ConfigError as error:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        print_once(f"error: {error}")
         raise SystemExit(2) from None
 
 

@@ -12,16 +12,22 @@ As in Megatron, ``top_k == 1`` is greedy, ``top_p == 0`` and ``top_k == 0`` mean
 ``beam_width`` selects beam search. The answer: ``text`` (prompt + continuation, per prompt),
 ``generated_text``, ``tokens`` (generated ids) and, for beam search, ``scores``.
 
-Every field is checked (type, range, prompt length, output length, batch size, body size) before any
-work; a bad request gets ``400`` and ``{"message": ...}`` and the server keeps serving. Requests are
-served one at a time (a lock): rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each
-valid request to the other ranks of the model, which generate with it.
+Every field is checked (type, finite, range, prompt length, output length, batch size, body size)
+before any work; a bad request gets ``400`` and ``{"message": ...}`` naming the rule. Any temperature in
+(0, 100] is accepted and safe (see ``process_logits``). Requests are served one at a time (a lock):
+rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each valid request to the other ranks
+of the model, which generate with it. A failure while generating, on any rank, is agreed by all ranks
+before rank 0 answers (``megatron_like/inference/serving.py``): ``400`` for a request the model cannot
+serve, ``500`` for anything else, and every rank goes on serving. Every answer is JSON, also for other
+methods (``405``), unknown paths (``404``), malformed HTTP (``400``) and a body that stops coming (``408``
+after 60 s).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -30,15 +36,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron_like import collectives as comm  # noqa: E402
 from megatron_like.config import ConfigError  # noqa: E402
 from megatron_like.inference import cli  # noqa: E402
-from megatron_like.inference.generation import GenerationParams, generate  # noqa: E402
+from megatron_like.inference.generation import GenerationParams  # noqa: E402
 from megatron_like.inference.loading import InferenceModel  # noqa: E402
-from megatron_like.inference.packed_linear import ensure_packed  # noqa: E402
+from megatron_like.inference.serving import broadcast_request, run_follower, serve_request  # noqa: E402
 
 FIELDS = ("prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "beam_width", "random_seed",
           "min_tokens_to_generate", "add_BOS")
@@ -60,7 +62,9 @@ class Limits:
 def _number(body: dict, name: str, default, kind: type, low: float, high: float, low_open: bool = False):
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r:.80}")
+    if not math.isfinite(value):  # json.loads accepts NaN and Infinity
+        raise RequestError(f"{name} must be a finite number, got {value}")
     if value < low or value > high or (low_open and value == low):
         bracket = "(" if low_open else "["
         raise RequestError(f"{name} {value} must be in {bracket}{low}, {high}]")
@@ -129,33 +133,8 @@ def parse_request(raw: bytes, loaded: InferenceModel, limits: Limits) -> tuple[l
 
 
 # --------------------------------------------------------------------------------------------------
-# Every rank: run one request
+# Rank 0: HTTP (every rank runs the request in megatron_like.inference.serving)
 # --------------------------------------------------------------------------------------------------
-
-
-def broadcast_request(request: dict | None, device: torch.device) -> dict | None:
-    """Send rank 0's ``request`` (None = stop) to every rank; returns it everywhere.
-
-    The bytes travel in tensors on ``device`` (the model's): NCCL broadcasts device tensors only.
-    """
-    if not dist.is_initialized():
-        return request
-    world = dist.group.WORLD
-    payload = json.dumps(request).encode() if dist.get_rank() == 0 else b""
-    size = comm.broadcast(torch.tensor([len(payload)], dtype=torch.long, device=device), 0, world)
-    if payload:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    else:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    comm.broadcast(data, 0, world)
-    return json.loads(data.cpu().numpy().tobytes().decode())
-
-
-def run_request(loaded: InferenceModel, request: dict) -> list:
-    params = GenerationParams(**request["params"])
-    if request.get("prepack", True):
-        ensure_packed(loaded.model, len(request["ids"]) * max(params.num_beams, params.num_return_sequences))
-    return generate(loaded.model, request["ids"], params, eod=loaded.eod, vocab_size=loaded.vocab_size)
 
 
 def answer(loaded: InferenceModel, prompts: list[str], results: list, beam: bool) -> dict:
@@ -177,6 +156,7 @@ def answer(loaded: InferenceModel, prompts: list[str], results: list, beam: bool
 def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = 60  # seconds a client may take to send its request (socket timeout of the handler)
 
         def reply(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
@@ -186,13 +166,28 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
             self.end_headers()
             self.wfile.write(data)
 
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own errors (bad request line, unsupported method...) as JSON, not HTML."""
+            self.close_connection = True
+            with contextlib.suppress(OSError):  # the client may be gone
+                self.reply(code, {"message": message or self.responses.get(code, ("error",))[0]})
+
         def do_PUT(self) -> None:
+            try:
+                self.handle_put()
+            except TimeoutError:
+                self.send_error(408, f"the request body did not arrive within {self.timeout} s")
+            except Exception as error:  # noqa: BLE001 - one request must never take the server down
+                self.log_message("request failed: %s: %s", type(error).__name__, error)
+                self.send_error(500, f"internal error: {type(error).__name__}: {error}")
+
+        def handle_put(self) -> None:
             if self.path.rstrip("/") != "/api":
                 return self.reply(404, {"message": f"no endpoint {self.path}; use PUT /api"})
             try:
                 length = int(self.headers.get("Content-Length", ""))
             except ValueError:
-                return self.reply(411, {"message": "Content-Length is required"})
+                return self.send_error(411, "Content-Length is required")
             if length < 0 or length > limits.max_body_bytes:
                 self.close_connection = True
                 if 0 < length <= 16 * limits.max_body_bytes:  # drain it so the client reads our answer
@@ -201,27 +196,25 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
                         if not chunk:
                             break
                         length -= len(chunk)
-                return self.reply(400, {"message": f"request body exceeds the limit of {limits.max_body_bytes} "
-                                                   "bytes"})
+                return self.send_error(400, f"request body exceeds the limit of {limits.max_body_bytes} bytes")
             raw = self.rfile.read(length)
             try:
                 prompts, ids, params = parse_request(raw, loaded, limits)
-            except RequestError as error:
+            except (RequestError, ValueError) as error:
                 return self.reply(400, {"message": str(error)})
             request = {"ids": ids, "params": vars(params)}
             ps = loaded.model[0].ps
             with lock:
                 ps.use_device_in_this_thread()  # handler threads start on GPU 0, not on this rank's GPU
-                try:
-                    results = run_request(loaded, broadcast_request(request, ps.device))
-                except ValueError as error:  # every rank raised the same before any collective
-                    return self.reply(400, {"message": str(error)})
-            return self.reply(200, answer(loaded, prompts, results, params.num_beams > 1))
+                outcome = serve_request(loaded, broadcast_request(request, ps.device), ps.device)
+            if outcome.status != 200:
+                return self.reply(outcome.status, {"message": outcome.message})
+            return self.reply(200, answer(loaded, prompts, outcome.results, params.num_beams > 1))
 
-        def do_GET(self) -> None:
-            self.reply(405, {"message": "use PUT /api with a JSON body"})
+        def refuse_method(self) -> None:
+            self.send_error(405, f"{self.command} is not supported: use PUT /api with a JSON body")
 
-        do_POST = do_GET  # noqa: N815 - the name http.server dispatches to
+        do_GET = do_POST = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = refuse_method  # noqa: N815
 
         def log_message(self, fmt: str, *args) -> None:
             sys.stderr.write(f"[server] {self.address_string()} {fmt % args}\n")
@@ -249,9 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         cli.fail(str(error))
     limits = Limits(args.max_prompts, args.max_prompt_tokens, args.max_tokens_to_generate)
     if ps.rank != 0:  # follow rank 0's requests until it stops
-        while (request := broadcast_request(None, ps.device)) is not None:
-            with contextlib.suppress(ValueError):  # rank 0 answers the client with the same error
-                run_request(loaded, request)
+        run_follower(loaded, ps.device)
         ps.destroy()
         return
     server = ThreadingHTTPServer((args.host, args.port), make_handler(loaded, limits, threading.Lock()))

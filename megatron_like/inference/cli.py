@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
-from megatron_like.config import Config, ConfigError, build_parser, config_from_namespace
+from megatron_like.config import Config, ConfigError, build_parser, config_from_namespace, print_once
 from megatron_like.inference.loading import InferenceModel, load_inference_model
 from megatron_like.parallel_state import ParallelState
 
@@ -65,6 +64,5 @@ def load(config: Config, ps: ParallelState, iteration: int | None = None) -> Inf
 
 def fail(message: str, code: int = 2) -> None:
     """Print ``error: message`` once (rank 0) and exit."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    print_once(f"error: {message}")
     raise SystemExit(code)

@@ -16,6 +16,7 @@ bookkeeping), so greedy and beam search give its tokens on converted weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,11 +66,13 @@ class GenerationParams:
             (self.max_new_tokens >= 1, f"max_new_tokens {self.max_new_tokens} must be >= 1"),
             (0 <= self.min_new_tokens <= self.max_new_tokens,
              f"min_new_tokens {self.min_new_tokens} must be in [0, max_new_tokens {self.max_new_tokens}]"),
-            (self.temperature > 0, f"temperature {self.temperature} must be > 0"),
+            (self.temperature > 0 and math.isfinite(self.temperature),
+             f"temperature {self.temperature} must be a finite number > 0"),
             (self.top_k >= 0, f"top_k {self.top_k} must be >= 0"),
             (0.0 < self.top_p <= 1.0, f"top_p {self.top_p} must be in (0, 1]"),
             (self.num_beams >= 1, f"num_beams {self.num_beams} must be >= 1"),
             (self.num_return_sequences >= 1, f"num_return_sequences {self.num_return_sequences} must be >= 1"),
+            (math.isfinite(self.length_penalty), f"length_penalty {self.length_penalty} must be finite"),
             (self.early_stopping in (True, False, "never"), f"early_stopping {self.early_stopping!r} must be "
              "True, False or 'never'"),
         ]
@@ -196,9 +199,21 @@ class _Batch:
 
 
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus) filtering of ``logits [b, v]``; removed ids get -inf."""
+    """Temperature, then top-k, then top-p (nucleus) filtering of ``logits [b, v]``; removed ids get -inf.
+
+    Any temperature > 0 is numerically safe: when ``logits / temperature`` would overflow (a tiny
+    temperature), each row is first shifted so its maximum is 0 and divided by at least the smallest
+    normal float, so the best token keeps 0 and the others go to a large negative number or -inf (the
+    limit of sampling as the temperature goes to 0: greedy among tied maxima). Otherwise the values are
+    Hugging Face's ``logits / temperature`` exactly.
+    """
     if temperature != 1.0:
-        logits = logits / temperature
+        scaled = logits / temperature
+        if not bool(torch.isfinite(scaled[torch.isfinite(logits)]).all()):
+            top = logits.amax(dim=-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf stays -inf
+            scaled = (logits - top) / max(temperature, torch.finfo(logits.dtype).tiny)
+        logits = scaled
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, NEG_INF)

@@ -199,8 +199,11 @@ def checkpoint_iteration_dir(root: str, iteration: int | None = None) -> str:
 
 
 def _load(path: str) -> dict:
-    # mmap: the optimizer state stored beside the weights is never read from disk.
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    # mmap: the optimizer state stored beside the weights is never read from disk. Imported here: the
+    # training package imports this module. Its errors are one line naming the file and the problem.
+    from megatron_like.training.checkpoint_validation import read_checkpoint_file
+
+    return read_checkpoint_file(path, mmap=True)
 
 
 def read_saved_config(root: str, iteration: int | None = None) -> Config:

@@ -220,6 +220,13 @@ def _check_optimizer_layout(saved: dict, config: Config, ps: ParallelState, opti
         )
 
 
+def _read(path: str) -> dict:
+    """torch.load(weights_only=True) to the CPU; failures are one-line CheckpointErrors naming ``path``."""
+    from megatron_like.training.checkpoint_validation import read_checkpoint_file  # it imports this module
+
+    return read_checkpoint_file(path)
+
+
 def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn.Module],
                     optimizer: Any, scheduler: Any) -> tuple[int, int]:
     """Load the latest checkpoint under ``root`` into this rank; returns (iteration, consumed samples).
@@ -238,7 +245,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     # Load to host memory, as Megatron does: load_state_dict copies weights to their device and casts
     # optimizer moments to their parameter's, while step counters and RNG states stay on the CPU where
     # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = _read(path)
     check_compatible(state, config, path)
     for chunk, chunk_state in zip(model, state["model"]):
         chunk.load_state_dict(chunk_state)
@@ -251,7 +258,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     if ps.dp_rank > 0:
         own_path = rank_file(directory, ps.dp_rank)
         if os.path.exists(own_path):
-            own = torch.load(own_path, map_location="cpu", weights_only=True)
+            own = _read(own_path)
         elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:
             raise CheckpointError(f"checkpoint file {own_path} (this rank's ZeRO shard) is missing; {RESHARD_HINT}")
     if optimizer is not None and config.checkpoint.load_optim and state.get("optimizer") is not None:

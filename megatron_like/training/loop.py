@@ -1,6 +1,7 @@
 """The training loop: ``pretrain()`` in Megatron's shape.
 
-Order of one run: process groups -> seeds -> model chunks -> optimizer and schedule -> (resume) ->
+Order of one run: (flag and path checks) -> process groups -> the lock of ``--save`` -> seeds -> model
+chunks -> optimizer and schedule -> (validate the checkpoint on every rank, resume) ->
 data iterators -> steps (forward/backward schedule, gradient reductions, clipping, AdamW, lr) with the
 log line, evaluation and checkpoints at their intervals. Data parallelism, ZeRO and the optimizer are
 applied in ``parallelize.py`` (its docstring gives the order of every kind of parallelism).
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config
+from megatron_like.config import Config, ConfigError
 from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
 from megatron_like.model import chunk_layers
@@ -26,11 +27,14 @@ from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
+from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.job_lock import hold_checkpoint_directory
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
+from megatron_like.training.preflight import check_checkpoint_paths
 from megatron_like.training.signals import ExitConditions
 
 ModelProvider = Callable[..., nn.Module]
@@ -58,8 +62,13 @@ class TrainingResult:
 
 
 def check_supported(config: Config) -> None:
-    """Refuse invalid flag combinations before any process starts working (ConfigError, one line)."""
+    """Refuse invalid flag combinations and unusable --save/--load paths before any process starts working
+    (ConfigError, one line)."""
     check_training_flags(config)
+    if config.training.train_iters < 1:
+        raise ConfigError(f"--train-iters {config.training.train_iters} trains nothing; pass a positive number "
+                          "(tools/evaluate.py evaluates a checkpoint without training)")
+    check_checkpoint_paths(config.checkpoint)
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
@@ -186,6 +195,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
+    lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
     model = build_model_chunks(config, ps, model_provider)
     if ps.dp_rank == 0:
@@ -201,6 +211,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         # Megatron's rule, so that `--save D --load D` under `torchrun --max-restarts` starts and resumes.
         print_rank(ps, f" > WARNING: --load {config.checkpoint.load} holds no checkpoint; starting from scratch")
     elif config.checkpoint.load:
+        # Every rank checks its files first and all agree: no rank trains while another one stops.
+        validate_checkpoint(config.checkpoint.load, config, ps, model, optimizer)
         # ZeRO-3 params hold no memory between uses: gather them to load into, keep this rank's shard.
         with gathered_parameters(model, write_back=True):
             iteration, consumed = load_checkpoint(config.checkpoint.load, config, ps, model, optimizer, scheduler)
@@ -293,4 +305,5 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                               split="test")
     exit_conditions.close()
     logger.close()
+    lock.release()
     return result

@@ -1,0 +1,159 @@
+"""Hostile input to the HTTP server under torchrun tp=2: a few hundred random and malformed requests (to
+127.0.0.1 only, bounded sizes), every one answered with JSON, then a normal request must still give the
+single-process greedy tokens: no request took a rank down or left the ranks out of step."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_like.config import parse_config
+from megatron_like.inference import GenerationParams, generate, load_inference_model
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training.checkpointing import save_checkpoint
+from tests.distributed.harness import free_port
+from tests.e2e.cli import ROOT
+
+VOCAB = 64
+FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+         "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8", "--init-method-std", "0.3"]
+
+
+def tiny_checkpoint(root: str) -> str:
+    """A one-layer model saved at iteration 0 in one process (no training needed to serve it)."""
+    config = parse_config(FLAGS + ["--save", root], world_size=1)
+    ps = ParallelState.single_process(torch.device("cpu"))
+    model = GPTModel(config.model, ps, vocab_size=config.padded_vocab_size(VOCAB), seed=3)
+    save_checkpoint(root, 0, config, ps, [model], None, None, 0)
+    return root
+
+
+def start_server(checkpoint: str, port: int) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "tools/text_generation_server.py", "--load", checkpoint, "--tensor-model-parallel-size", "2",
+         "--port", str(port), "--max-prompts", "3", "--max-prompt-tokens", "8", "--max-tokens-to-generate", "4"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise AssertionError(f"server did not start:\n{server.communicate()[0]}") from None
+            time.sleep(0.3)
+
+
+def send(port: int, method: str, path: str, body: bytes | None, headers: dict | None = None) -> tuple[int, dict]:
+    """One request on a fresh connection; the answer must be JSON with a message unless it is a 200."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        data = response.read()
+    finally:
+        connection.close()
+    assert response.getheader("Content-Type") == "application/json", (method, path, body, data[:200])
+    reply = json.loads(data) if data else {}
+    assert response.status == 200 or reply.get("message"), (method, path, body, response.status, reply)
+    return response.status, reply
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    kinds = ["int", "float", "str", "bool", "none", "list", "dict", "special"]
+    kind = rng.choice(kinds if depth < 2 else kinds[:5])
+    if kind == "int":
+        return rng.choice([0, 1, -1, 2, 3, 63, 64, 65, 2**31, 2**63, -(2**63), 10**30, rng.randint(-100, 100)])
+    if kind == "float":
+        return rng.choice([0.0, 1e-300, 5e-324, -0.5, 0.5, 1.0, 1.5, 99.9, 100.0, 1e300, rng.uniform(-2, 2)])
+    if kind == "str":
+        return rng.choice(["", "1 2 3", "63", "64", "-1", "a b", "1" * 200, "\u2603", "3 " * 9, " "])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "none":
+        return None
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == "dict":
+        return {rng.choice(["a", "prompts", "x"]): random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))}
+    return rng.choice([float("nan"), float("inf"), float("-inf")])
+
+
+FIELDS = ["prompts", "tokens_to_generate", "temperature", "top_k", "top_p", "beam_width", "random_seed",
+          "min_tokens_to_generate", "add_BOS"]
+
+
+def random_body(rng: random.Random) -> bytes:
+    """Mostly near-valid requests with one or two fields garbled, some raw junk."""
+    roll = rng.random()
+    if roll < 0.15:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+    if roll < 0.25:
+        text = json.dumps({"prompts": ["1 2 3"], "tokens_to_generate": 2})
+        return text[: rng.randint(0, len(text))].encode()
+    body: dict = {"prompts": [" ".join(str(rng.randrange(VOCAB)) for _ in range(rng.randint(1, 6)))],
+                  "tokens_to_generate": rng.randint(1, 4)}
+    for _ in range(rng.randint(0, 3)):
+        body[rng.choice(FIELDS + ["bogus"])] = random_value(rng)
+    if rng.random() < 0.3:  # a plausible sampling request
+        body.update(temperature=rng.choice([1e-300, 1e-8, 0.3, 1.0, 50.0]), top_p=rng.choice([0, 0.5, 1]),
+                    top_k=rng.choice([0, 1, 5, VOCAB]), random_seed=rng.randint(0, 9))
+    return json.dumps(body).encode()  # NaN and Infinity go out as the bare tokens json.loads accepts
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    checkpoint = tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")))
+    port = free_port()
+    server = start_server(checkpoint, port)
+    yield checkpoint, port, server
+    server.terminate()
+    try:
+        server.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.communicate()
+
+
+def test_random_and_malformed_requests_are_answered_and_the_server_keeps_serving(served):
+    checkpoint, port, server = served
+    normal = {"prompts": ["5 9 13", "7"], "tokens_to_generate": 4, "top_k": 1}
+    loaded = load_inference_model(checkpoint, ParallelState.single_process(torch.device("cpu")))
+    expected = [g[0].token_ids for g in generate(loaded.model, [[5, 9, 13], [7]], GenerationParams(max_new_tokens=4),
+                                                   eod=loaded.eod, vocab_size=loaded.vocab_size)]
+    status, first = send(port, "PUT", "/api", json.dumps(normal).encode())
+    assert status == 200 and first["tokens"] == expected
+
+    # The issue's reproductions: each once took the server down or left the client without an answer.
+    tiny_t = {"prompts": ["1 2 3"], "tokens_to_generate": 4, "temperature": 1e-300}
+    status, reply = send(port, "PUT", "/api", json.dumps(tiny_t).encode())
+    assert status == 200 and len(reply["tokens"][0]) == 4, reply
+    status, reply = send(port, "PUT", "/api", b'{"prompts": ["1 2 3"], "tokens_to_generate": 4, "temperature": NaN}')
+    assert status == 400 and "temperature must be a finite number" in reply["message"]
+    for method in ("DELETE", "PATCH", "GET", "POST", "OPTIONS"):
+        assert send(port, method, "/api", b"{}")[0] == 405
+    assert send(port, "PUT", "/elsewhere", b"{}")[0] == 404
+    assert send(port, "PUT", "/api", b"{}", {"Content-Length": "x"})[0] in (400, 411)
+
+    rng = random.Random(18)
+    statuses: dict[int, int] = {}
+    for _ in range(300):
+        status, _ = send(port, "PUT", "/api", random_body(rng))
+        statuses[status] = statuses.get(status, 0) + 1
+        assert server.poll() is None, "the server died"
+    assert set(statuses) <= {200, 400}, statuses  # every refusal is a validation error, never a crash
+    assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 100, statuses  # the mix reached both sides
+    assert send(port, "PUT", "/api", json.dumps(normal).encode()) == (200, first)
