@@ -18,6 +18,11 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def is_initialized() -> bool:
+    """Whether a process group is up (False in a plain single-process run)."""
+    return dist.is_initialized()
+
+
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -319,6 +319,9 @@ class CheckpointConfig:
     """Load the RNG states (--no-load-rng reseeds)."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
+    ckpt_format: Literal["torch", "torch_dist"] = "torch"
+    """Format of new saves: torch (one file per tp x pp rank, loads only at the same layout) or torch_dist
+    (torch.distributed.checkpoint global tensors, loads at any layout); --load detects the format."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: float | None = None

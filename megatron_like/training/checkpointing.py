@@ -137,7 +137,13 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
 
     Every rank writes one file (see the module docstring); all ranks must call this together. The model
     must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model)``).
+    ``--ckpt-format torch_dist`` saves through ``dist_checkpointing.py`` instead (no gathering needed).
     """
+    if config.checkpoint.ckpt_format == "torch_dist":
+        from megatron_like.training import dist_checkpointing  # it imports this module
+
+        return dist_checkpointing.save_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler,
+                                                       consumed_samples)
     path = checkpoint_dir(root, iteration, ps)
     os.makedirs(path, exist_ok=True)
     save_optim = optimizer is not None and config.checkpoint.save_optim
@@ -157,10 +163,15 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
     write_atomically(rank_file(path, ps.dp_rank), lambda f: torch.save(state, f))
     comm.barrier()
     if ps.rank == 0:
-        _fault("tracker")
-        write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
+        write_tracker(root, iteration)
     comm.barrier()
     return path
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Name ``iteration`` in ``<root>/latest_checkpointed_iteration.txt`` (rank 0, once every rank's files are in)."""
+    _fault("tracker")
+    write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
 
 
 def latest_iteration(root: str) -> int | None:
@@ -226,6 +237,10 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
+    from megatron_like.training import dist_checkpointing  # it imports this module
+
+    if dist_checkpointing.is_dist_checkpoint(root, iteration):  # either format loads, whatever --ckpt-format
+        return dist_checkpointing.load_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler)
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.exists(path):

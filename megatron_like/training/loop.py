@@ -8,6 +8,7 @@ applied in ``parallelize.py`` (its docstring gives the order of every kind of pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -174,6 +175,11 @@ def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, dat
     return average_losses(forward_only_stats(config, ps, forward_step_func, data_iterator, model, num_batches), ps)
 
 
+def _full_params_for_save(config: Config, model: list[nn.Module]) -> contextlib.AbstractContextManager:
+    """The torch format saves full parameters (gathered at ZeRO-3); torch_dist writes from each rank's shards."""
+    return gathered_parameters(model) if config.checkpoint.ckpt_format == "torch" else contextlib.nullcontext()
+
+
 def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
              datasets_provider: DatasetsProvider, ps: ParallelState | None = None,
              padded_vocab_size: int | None = None) -> TrainingResult:
@@ -263,7 +269,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         exit_reason = exit_conditions.check(iteration)
         should_exit = exit_reason is not None
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
-            with gathered_parameters(model):
+            with _full_params_for_save(config, model):
                 save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
         if should_exit:
@@ -272,7 +278,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     else:
         if config.checkpoint.save and not (config.checkpoint.save_interval
                                            and iteration % config.checkpoint.save_interval == 0):
-            with gathered_parameters(model):
+            with _full_params_for_save(config, model):
                 save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
                                 consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")

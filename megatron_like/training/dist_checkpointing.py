@@ -1,0 +1,298 @@
+"""``--ckpt-format torch_dist``: checkpoints of global tensors that load at any parallel layout.
+
+Layout of one checkpoint (docs/checkpoints.md)::
+
+    <root>/latest_checkpointed_iteration.txt       last, atomically, by rank 0 (as the torch format)
+    <root>/iter_0000100/.metadata                  DCP's index: every key, its global shape, its pieces
+    <root>/iter_0000100/__R_0.distcp               the pieces rank R wrote
+    <root>/iter_0000100/common.pt                  rank 0: iteration, consumed samples, args, scheduler,
+                                                   AdamW step count, loss scaler (plain values)
+
+Keys written through torch.distributed.checkpoint (DCP):
+
+* ``model.<name>``: every parameter under its single-process name and shape;
+* ``optimizer.exp_avg.<name>``, ``optimizer.exp_avg_sq.<name>`` and, when the params are not fp32,
+  ``optimizer.master.<name>``: same shapes as the parameter;
+* ``rng.tp<T>.pp<P>.dp<D>``: the generators of the rank at those coordinates (bytes).
+
+Each rank writes only elements it owns (its ZeRO shard, tp rank 0 for tp-replicated tensors, dp rank 0
+without ZeRO: ``megatron_like/model/sharded_state.py``), and reads the elements its own layout needs. RNG
+states belong to one rank of one layout: they are restored when tp, pp and dp sizes are the saved ones,
+and otherwise the run keeps its generators seeded from --seed.
+
+DCP runs its own collectives (gathering the rank plans, a barrier at the end) on the default process
+group, so its ``save`` and ``load`` are called here rather than through ``megatron_like/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_like import collectives as comm
+from megatron_like.config import Config
+from megatron_like.model.sharded_state import (
+    VOCAB_PARAMS,
+    GlobalPieces,
+    clip_to,
+    model_load_pieces,
+    model_save_pieces,
+)
+from megatron_like.optimizer.sharded_state import (
+    MASTER_PREFIX,
+    optimizer_load_pieces,
+    optimizer_save_pieces,
+    optimizer_step,
+)
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training import checkpointing as ckpt
+
+COMMON_FILE = "common.pt"
+DCP_METADATA = ".metadata"
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "max_position_embeddings", "untie_embeddings_and_output_weights")
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_dist_checkpoint(root: str, iteration: int) -> bool:
+    """Whether ``<root>/iter_XXXXXXX`` was saved with --ckpt-format torch_dist (it holds DCP's index)."""
+    return os.path.exists(os.path.join(iteration_dir(root, iteration), DCP_METADATA))
+
+
+def _rng_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"rng.tp{tp_rank}.pp{pp_rank}.dp{dp_rank}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Planners: DCP's default ones, taught that one key may have several pieces on a rank
+# --------------------------------------------------------------------------------------------------
+
+
+def _piece_at(value: GlobalPieces, offset: torch.Size) -> torch.Tensor:
+    for offsets, tensor in value.pieces:
+        if torch.Size(offsets) == offset:
+            return tensor
+    raise KeyError(f"no piece at offset {tuple(offset)}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Writes a :class:`GlobalPieces` as one DCP shard per piece and anything else as bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, value in self.state_dict.items():
+            if not isinstance(value, GlobalPieces):
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                continue
+            for offsets, tensor in value.pieces:
+                offset = torch.Size(offsets)
+                items.append(WriteItem(
+                    index=MetadataIndex(key, offset), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offset, sizes=tensor.size()),
+                                                properties=TensorProperties.create_from_tensor(tensor),
+                                                size=torch.Size(value.global_shape)),
+                ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict[index.fqn]
+        return _piece_at(value, index.offset) if isinstance(value, GlobalPieces) else value
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads into the pieces of a :class:`GlobalPieces` in place; bytes with ``weights_only`` (no pickle)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        # The default one walks the state dict to materialize meta tensors and drops objects it does not know.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, value in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata[key]
+            if isinstance(value, GlobalPieces):
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in value.pieces]
+                requests += create_read_items_for_chunk_list(key, saved, chunks)
+            else:
+                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                                         dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
+                                         storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _piece_at(self.state_dict[index.fqn], index.offset)
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _dcp_save(state: dict[str, Any], path: str) -> None:
+    dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=not comm.is_initialized())
+
+
+def _dcp_load(state: dict[str, Any], path: str) -> None:
+    dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not comm.is_initialized())
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------
+
+
+def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
+                         optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
+    """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
+
+    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards.
+    """
+    path = iteration_dir(root, iteration)
+    os.makedirs(path, exist_ok=True)
+    zero = config.parallel.zero_stage
+    state: dict[str, Any] = dict(model_save_pieces(model, ps, zero))
+    save_optim = optimizer is not None and config.checkpoint.save_optim
+    if save_optim:
+        state.update(optimizer_save_pieces(optimizer, model, ps))
+    state[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
+    _dcp_save(state, path)
+    if ps.rank == 0:
+        common = {
+            "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer": {"step": optimizer_step(optimizer),
+                          "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
+            if save_optim else None,
+            "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+        }
+        ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+    comm.barrier()
+    if ps.rank == 0:
+        ckpt.write_tracker(root, iteration)
+    comm.barrier()
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_model_shape(saved: dict, config: Config, path: str) -> None:
+    saved_model = saved["config"]["model"]
+    for name in MODEL_SHAPE_FLAGS:
+        if saved_model.get(name) != getattr(config.model, name):
+            raise ckpt.CheckpointError(f"checkpoint {path} has --{name.replace('_', '-')} {saved_model.get(name)} "
+                                       f"but this run has {getattr(config.model, name)}; pass the checkpoint's value")
+
+
+def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str) -> None:
+    """Check every key against the checkpoint; trim the vocabulary rows another tp's padding does not have."""
+    for key, entry in pieces.items():
+        if key not in shapes:
+            raise ckpt.CheckpointError(f"checkpoint {path} has no {key!r} (saved from a different model?)")
+        saved, own = shapes[key], entry.global_shape
+        vocab = key.endswith(VOCAB_PARAMS) and saved[1:] == own[1:]
+        if saved != own and not vocab:
+            raise ckpt.CheckpointError(f"checkpoint {path} holds {key} of shape {list(saved)}, this model's is "
+                                       f"{list(own)}: a different model")
+        entry.pieces = clip_to(entry.pieces, saved)
+
+
+def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
+                         optimizer: Any, scheduler: Any) -> tuple[int, int]:
+    """Load a torch_dist checkpoint at this run's layout; returns (iteration, consumed samples).
+
+    The model must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model,
+    write_back=True)``). ``--finetune`` reads the weights only and returns (0, 0).
+    """
+    path = iteration_dir(root, iteration)
+    common_path = os.path.join(path, COMMON_FILE)
+    if not os.path.exists(common_path):
+        raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?)")
+    common = torch.load(common_path, map_location="cpu", weights_only=True)
+    _check_model_shape(common, config, path)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    shapes = {k: tuple(m.size) for k, m in metadata.items() if not isinstance(m, BytesStorageMetadata)}
+    weights_only = config.checkpoint.finetune
+
+    # Parameters. An fp32 run's params are its masters: take the fp32 masters when the checkpoint has them.
+    params = model_load_pieces(model, ps)
+    fp32_params = all(p.dtype == torch.float32 for chunk in model for p in chunk.parameters())
+    if fp32_params:
+        params = {(MASTER_PREFIX + k[len("model."):] if MASTER_PREFIX + k[len("model."):] in shapes else k): v
+                  for k, v in params.items()}
+    state: dict[str, Any] = dict(params)
+
+    saved_optim = common.get("optimizer")
+    load_optim = optimizer is not None and config.checkpoint.load_optim and not weights_only
+    install = None
+    second_read: dict[str, Any] = {}
+    has_masters = any(k.startswith(MASTER_PREFIX) for k in shapes)
+    # Decided alike on every rank (same dtype and devices everywhere): DCP's load is collective.
+    masters_from_params = load_optim and not has_masters and not all(optimizer.master_is_param)
+    if load_optim:
+        with_moments = saved_optim is not None and saved_optim["step"] is not None
+        # Separate masters read `model.<name>` when the checkpoint has no masters (an fp32 run's); this rank
+        # already reads that key into its params, and one key is read once per call: a second read then.
+        pieces, install = optimizer_load_pieces(optimizer, model, ps, shapes,
+                                                MASTER_PREFIX if has_masters else "model.", with_moments)
+        for key, entry in pieces.items():
+            (second_read if key in state else state)[key] = entry
+    layout = common.get("layout", {})
+    same_layout = layout == {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+    rng_key = _rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)
+    load_rng = config.checkpoint.load_rng and not weights_only and same_layout and rng_key in metadata
+    if load_rng:
+        state[rng_key] = None
+
+    _fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path)
+    _fit_to_saved(second_read, shapes, path)
+    _dcp_load(state, path)
+    if masters_from_params:  # every rank takes part, also one with nothing to read
+        _dcp_load(second_read, path)
+    if weights_only:
+        return 0, 0
+    if install is not None:
+        install(saved_optim["step"] if saved_optim else None)
+        if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:
+            optimizer.scaler.load_state_dict(saved_optim["loss_scaler"])
+    if scheduler is not None and common["scheduler"] is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    if load_rng:
+        ckpt.set_rng_state(state[rng_key])
+    elif config.checkpoint.load_rng and ps.rank == 0 and not same_layout:
+        print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}: "
+              "its RNG states belong to that layout; the generators stay seeded from --seed", flush=True)
+    return common["iteration"], common["consumed_samples"]
