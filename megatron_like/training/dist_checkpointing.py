@@ -26,7 +26,10 @@ group, so its ``save`` and ``load`` are called here rather than through ``megatr
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -159,12 +162,23 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
+@contextlib.contextmanager
+def _process_group_or_none() -> Iterator[bool]:
+    """Yields DCP's ``no_dist``: True in a single-process run, where DCP's warning that it runs without a
+    process group says what we asked for and is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield not comm.is_initialized()
+
+
 def _dcp_save(state: dict[str, Any], path: str) -> None:
-    dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=not comm.is_initialized())
+    with _process_group_or_none() as no_dist:
+        dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)
 
 
 def _dcp_load(state: dict[str, Any], path: str) -> None:
-    dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=not comm.is_initialized())
+    with _process_group_or_none() as no_dist:
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=no_dist)
 
 
 # --------------------------------------------------------------------------------------------------

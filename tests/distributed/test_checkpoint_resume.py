@@ -1,7 +1,8 @@
 """Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
 
 Layouts: tp2 x pp2, and ZeRO-2 over dp2 (every dp rank saves its own optimizer shard and RNG states),
-also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts).
+also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts); in the torch format
+and in torch_dist (global tensors through torch.distributed.checkpoint, test_dist_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
     "world_size,layout",
     [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
      (2, ["--zero-stage", "2"]),
-     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"])],
-    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload"],
+     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"]),
+     (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
+     (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch_dist"])],
+    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "tp2-pp2-torch_dist", "zero2-dp2-offload-torch_dist"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:

@@ -1,0 +1,48 @@
+"""Global-tensor pieces of torch_dist checkpoints: flat ZeRO ranges as boxes, vocabulary trimming, and a
+single-process save and resume (DCP without a process group; --load detects the format by itself)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_like.model.sharded_state import clip_to, flat_range_boxes
+from megatron_like.training.checkpointing import CheckpointError
+from tests.distributed.gpt_runs import train_gpt
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 10), (3, 4, 5), (1, 6), (6, 1)])
+def test_flat_range_boxes_tile_every_range_in_flat_order(shape):
+    n = math.prod(shape)
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            numbered = torch.arange(n).reshape(shape)
+            start = lo
+            for offsets, sizes in flat_range_boxes(shape, lo, hi):
+                box = numbered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                # each box is the next contiguous flat range
+                assert torch.equal(box.reshape(-1), torch.arange(start, start + math.prod(sizes))), (shape, lo, hi)
+                start += math.prod(sizes)
+            assert start == hi
+            assert len(flat_range_boxes(shape, lo, hi)) <= 2 * len(shape) - 1
+
+
+def test_clip_to_drops_rows_beyond_a_smaller_saved_vocabulary():
+    local = torch.zeros(8, 3)
+    pieces = clip_to([((4, 0), local[:4]), ((8, 0), local[4:])], (10, 3))
+    assert [(o, tuple(t.shape)) for o, t in pieces] == [((4, 0), (4, 3)), ((8, 0), (2, 3))]
+    assert pieces[1][1].data_ptr() == local[4].data_ptr()  # a view: loads land in place
+
+
+def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path):
+    flags = ["--hidden-dropout", "0.1", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
+    straight = train_gpt(0, 1, flags + ["--train-iters", "4"])
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path), "--ckpt-format", "torch_dist"])
+    assert (tmp_path / "iter_0000002" / ".metadata").exists()
+    # Loaded without --ckpt-format (default torch): the format is read from the directory.
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path)])
+    assert resumed["losses"] == straight["losses"][2:]
+    with pytest.raises(CheckpointError, match="--hidden-size 64 but this run has 32"):
+        train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--hidden-size", "32"])
