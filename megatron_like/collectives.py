@@ -23,6 +23,12 @@ def is_initialized() -> bool:
     return dist.is_initialized()
 
 
+def new_world_group() -> Group:
+    """A second group over every rank (collective: all ranks call it), for work on another thread, such as an
+    asynchronous checkpoint write, whose collectives must not interleave with training's; None alone."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

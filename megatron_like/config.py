@@ -322,6 +322,9 @@ class CheckpointConfig:
     ckpt_format: Literal["torch", "torch_dist"] = "torch"
     """Format of new saves: torch (one file per tp x pp rank, loads only at the same layout) or torch_dist
     (torch.distributed.checkpoint global tensors, loads at any layout); --load detects the format."""
+    async_save: bool = False
+    """torch_dist only: copy the state to host memory, then write it in a background thread while training
+    goes on; the next save and the end of training wait for it."""
     exit_interval: int | None = None
     """Save and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: float | None = None
@@ -332,6 +335,8 @@ class CheckpointConfig:
     def validate(self) -> None:
         if self.save_interval is not None:
             _require(self.save_interval > 0, f"--save-interval {self.save_interval} must be positive")
+        _require(not self.async_save or self.ckpt_format == "torch_dist",
+                 "--async-save writes torch_dist checkpoints only; add --ckpt-format torch_dist")
 
 
 @dataclass

@@ -27,9 +27,11 @@ group, so its ``save`` and ``load`` are called here rather than through ``megatr
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -171,9 +173,10 @@ def _process_group_or_none() -> Iterator[bool]:
         yield not comm.is_initialized()
 
 
-def _dcp_save(state: dict[str, Any], path: str) -> None:
+def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> None:
     with _process_group_or_none() as no_dist:
-        dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist)
+        dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
+                 process_group=group)
 
 
 def _dcp_load(state: dict[str, Any], path: str) -> None:
@@ -186,35 +189,97 @@ def _dcp_load(state: dict[str, Any], path: str) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
+class _AsyncWrite:
+    """The one checkpoint write running in the background (``--async-save``), and its error if it failed."""
+
+    group: comm.Group = None  # a second process group: DCP's collectives there do not meet training's
+    group_made = False
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+before_async_write: Callable[[], None] | None = None
+"""Tests set this to run in the writer thread before it writes (e.g. to let training move on first)."""
+
+
+def wait_for_async_save() -> None:
+    """Block until the background write (if any) is complete and named by the tracker; re-raise its error.
+
+    Called before the next save and at the end of training (by every rank)."""
+    thread = _AsyncWrite.thread
+    if thread is None:
+        return
+    thread.join()
+    _AsyncWrite.thread = None
+    # Rank 0 wrote the tracker in its thread: every rank returns only after that.
+    comm.barrier()
+    if _AsyncWrite.error is not None:
+        error, _AsyncWrite.error = _AsyncWrite.error, None
+        raise ckpt.CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+
+
+def _staged(state: dict[str, Any]) -> dict[str, Any]:
+    """A host copy of everything ``state`` points into, so training may change its tensors meanwhile."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, GlobalPieces):
+            value = GlobalPieces(value.global_shape, [(o, t.detach().to("cpu", copy=True)) for o, t in value.pieces])
+        else:
+            value = copy.deepcopy(value)
+        out[key] = value
+    return out
+
+
 def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
                          optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
     """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
 
-    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards.
+    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards. With
+    ``--async-save`` the state is copied to host memory here and written by a background thread; rank 0
+    names the checkpoint in the tracker only once DCP's save returned, i.e. once every rank's pieces and
+    the index are on disk, so the tracker never names an incomplete checkpoint.
     """
+    wait_for_async_save()
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
-    zero = config.parallel.zero_stage
-    state: dict[str, Any] = dict(model_save_pieces(model, ps, zero))
+    state: dict[str, Any] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
     save_optim = optimizer is not None and config.checkpoint.save_optim
     if save_optim:
         state.update(optimizer_save_pieces(optimizer, model, ps))
     state[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
-    _dcp_save(state, path)
-    if ps.rank == 0:
-        common = {
-            "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer": {"step": optimizer_step(optimizer),
-                          "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
-            if save_optim else None,
-            "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
-        }
-        ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
-    comm.barrier()
-    if ps.rank == 0:
-        ckpt.write_tracker(root, iteration)
-    comm.barrier()
+    common = {
+        "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": {"step": optimizer_step(optimizer),
+                      "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
+        if save_optim else None,
+        "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+    }
+
+    def write(group: comm.Group) -> None:
+        _dcp_save(state, path, group)
+        if ps.rank == 0:  # DCP's save returns once every rank's pieces and the index are written
+            ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+            ckpt.write_tracker(root, iteration)
+
+    if not config.checkpoint.async_save:
+        write(None)
+        comm.barrier()  # every rank returns once the tracker names the new checkpoint
+        return path
+    if not _AsyncWrite.group_made:
+        _AsyncWrite.group, _AsyncWrite.group_made = comm.new_world_group(), True
+    state, common = _staged(state), copy.deepcopy(common)
+
+    def background() -> None:
+        try:
+            if before_async_write is not None:
+                before_async_write()
+            write(_AsyncWrite.group)
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait_for_async_save
+            _AsyncWrite.error = error
+
+    _AsyncWrite.thread = threading.Thread(target=background, name="async-checkpoint-save", daemon=False)
+    _AsyncWrite.thread.start()
     return path
 
 

@@ -28,6 +28,7 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import seed_everything
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.dist_checkpointing import wait_for_async_save
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
@@ -287,6 +288,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if test_iter is not None and log.eval_iters > 0:
             logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),
                               split="test")
+    wait_for_async_save()  # --async-save: the last checkpoint is complete and named before the run returns
     exit_conditions.close()
     logger.close()
     return result

@@ -7,11 +7,15 @@ a straight run of 6 iterations at the saving layout also saves at iteration 3; a
 layout loads that checkpoint (weights, fp32 masters, Adam moments and step, lr schedule, data position)
 and trains iterations 4-6. Its losses, grad norms and final weights must equal the straight run's within
 float32 tolerance (the two layouts compute the same model, see test_zero.py and test_pipeline_parallel.py).
+
+--async-save: the checkpoint written in the background holds the state of the iteration it was taken at
+and resumes bitwise (dropout on); the run ends only once its last checkpoint is named by the tracker.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from megatron_like import collectives as comm
 from megatron_like.training.checkpointing import write_tracker
@@ -45,3 +49,28 @@ def test_torch_dist_checkpoint_continues_at_another_layout(tmp_path):
         assert len(straight["losses"]) == 6 and len(resumed["losses"]) == 3, name
         straight["losses"], straight["grad_norms"] = straight["losses"][3:], straight["grad_norms"][3:]
         assert_same_training(straight, resumed)
+
+
+def async_save_then_resume(rank: int, world_size: int, root: str) -> dict:
+    from megatron_like.training import dist_checkpointing
+    from megatron_like.training.checkpointing import latest_iteration
+    from tests.distributed.test_checkpoint_resume import RESUME_FLAGS
+
+    # The writer starts only after training moved on (iterations take ~0.1 s here): what it writes must be
+    # the host copy taken at the save, not the tensors training has changed since.
+    dist_checkpointing.before_async_write = lambda: time.sleep(1.0)
+    flags = RESUME_FLAGS + ["--zero-stage", "2", "--ckpt-format", "torch_dist", "--async-save", "--train-iters", "6"]
+    straight = train_gpt(rank, world_size, flags + ["--save", root, "--save-interval", "3"])
+    finished_at = latest_iteration(root)  # the end of training waited for the last write
+    comm.barrier()
+    if rank == 0:
+        write_tracker(root, 3)
+    comm.barrier()
+    resumed = train_gpt(rank, world_size, flags + ["--load", root])
+    return {"straight": straight["losses"], "resumed": resumed["losses"], "finished_at": finished_at}
+
+
+def test_async_save_writes_the_state_of_its_iteration_and_resumes_bitwise(tmp_path):
+    for r in run_distributed(async_save_then_resume, 2, str(tmp_path)):
+        assert r["finished_at"] == 6
+        assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]
