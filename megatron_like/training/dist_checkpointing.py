@@ -375,3 +375,21 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}: "
               "its RNG states belong to that layout; the generators stay seeded from --seed", flush=True)
     return common["iteration"], common["consumed_samples"]
+
+
+def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) -> dict[str, torch.Tensor]:
+    """Whole global tensors of a torch_dist checkpoint, read in this one process (no process group needed:
+    call it outside a distributed run, e.g. in a tool or a test). Default: the latest iteration."""
+    iteration = ckpt.latest_iteration(root) if iteration is None else iteration
+    path = iteration_dir(root, iteration)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path} has no {', '.join(missing)}")
+    out = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in out.items()},
+                 storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    return out
+

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_like.model.sharded_state import clip_to, flat_range_boxes
-from megatron_like.training.checkpointing import CheckpointError
+from megatron_like.training.checkpointing import CheckpointError, write_tracker
 from tests.distributed.gpt_runs import train_gpt
 
 
@@ -46,3 +46,25 @@ def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path):
     assert resumed["losses"] == straight["losses"][2:]
     with pytest.raises(CheckpointError, match="--hidden-size 64 but this run has 32"):
         train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--hidden-size", "32"])
+
+
+def test_precision_change_takes_masters_from_the_right_keys(tmp_path):
+    """bf16 checkpoint -> fp32 run: the params are the saved fp32 masters, not the bf16 weights. fp32 checkpoint
+    -> bf16 run: the masters come from the fp32 weights (a second read, since the params read the same keys)
+    and training continues close to the fp32 run."""
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+
+    flags = ["--lr-decay-iters", "4", "--lr-warmup-iters", "1", "--ckpt-format", "torch_dist"]
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--bf16", "--save", str(bf16)])
+    loaded = train_gpt(0, 1, flags + ["--train-iters", "2", "--load", str(bf16)])["params"]  # no further step
+    masters = read_full_tensors(str(bf16), ["optimizer.master." + name for name in loaded])
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, masters["optimizer.master." + name]), name
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in loaded.values())  # masters hold more than bf16
+
+    straight = train_gpt(0, 1, flags + ["--train-iters", "4", "--save", str(fp32), "--save-interval", "2"])
+    write_tracker(str(fp32), 2)
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--bf16", "--load", str(fp32)])
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][2:]),
+                               rtol=0, atol=2e-2)
