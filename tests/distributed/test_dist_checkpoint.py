@@ -8,8 +8,9 @@ layout loads that checkpoint (weights, fp32 masters, Adam moments and step, lr s
 and trains iterations 4-6. Its losses, grad norms and final weights must equal the straight run's within
 float32 tolerance (the two layouts compute the same model, see test_zero.py and test_pipeline_parallel.py).
 
---async-save: the checkpoint written in the background holds the state of the iteration it was taken at
-and resumes bitwise (dropout on); the run ends only once its last checkpoint is named by the tracker.
+--async-save (bf16, ZeRO-2 over dp 2): the checkpoint written in the background holds the state of the
+iteration it was taken at and resumes bitwise (dropout on, fp32 masters included); the run ends only
+once its last checkpoint is named by the tracker.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def async_save_then_resume(rank: int, world_size: int, root: str) -> dict:
     # The writer starts only after training moved on (iterations take ~0.1 s here): what it writes must be
     # the host copy taken at the save, not the tensors training has changed since.
     dist_checkpointing.before_async_write = lambda: time.sleep(1.0)
-    flags = RESUME_FLAGS + ["--zero-stage", "2", "--ckpt-format", "torch_dist", "--async-save", "--train-iters", "6"]
+    # bf16: the separate fp32 masters are saved and loaded too.
+    flags = RESUME_FLAGS + ["--zero-stage", "2", "--bf16", "--ckpt-format", "torch_dist", "--async-save",
+                            "--train-iters", "6"]
     straight = train_gpt(rank, world_size, flags + ["--save", root, "--save-interval", "3"])
     finished_at = latest_iteration(root)  # the end of training waited for the last write
     comm.barrier()
