@@ -440,6 +440,9 @@ class Config:
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
+        _require(not (m.qat and self.checkpoint.ckpt_format == "torch_dist"),
+                 "--qat keeps quantizer statistics that --ckpt-format torch_dist does not save yet; "
+                 "use --ckpt-format torch")
         if p.sequence_parallel:
             _require(
                 m.seq_length % tp == 0,

@@ -230,6 +230,15 @@ def _staged(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_only_parameters(model: list[nn.Module]) -> None:
+    """torch_dist stores parameters only: refuse a model with other state (buffers) rather than drop it."""
+    for chunk in model:
+        extra = sorted(set(chunk.state_dict()) - {name for name, _ in chunk.named_parameters()})
+        if extra:
+            raise ckpt.CheckpointError(f"--ckpt-format torch_dist saves parameters only, and this model also holds "
+                                       f"{', '.join(extra[:3])}; use --ckpt-format torch")
+
+
 def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
                          optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
     """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
@@ -239,6 +248,7 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     names the checkpoint in the tracker only once DCP's save returned, i.e. once every rank's pieces and
     the index are on disk, so the tracker never names an incomplete checkpoint.
     """
+    _check_only_parameters(model)
     wait_for_async_save()
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)

@@ -68,3 +68,15 @@ def test_precision_change_takes_masters_from_the_right_keys(tmp_path):
     resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--bf16", "--load", str(fp32)])
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][2:]),
                                rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--async-save"], "--async-save writes torch_dist checkpoints only"),
+    (["--qat", "--ckpt-format", "torch_dist"], "--qat keeps quantizer statistics"),
+])
+def test_checkpoint_format_flags_that_do_not_fit_are_refused(flags, message):
+    from megatron_like.config import ConfigError, parse_config
+    from tests.distributed.gpt_runs import BASE_FLAGS
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(BASE_FLAGS + flags, world_size=1)
