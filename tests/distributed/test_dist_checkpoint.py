@@ -1,7 +1,7 @@
 """``--ckpt-format torch_dist`` loads at another layout and training continues as if never interrupted.
 
 One group of 4 processes, both directions between
-  A = tp2 x pp2, ZeRO-1 over dp 1, and
+  A = tp2 x pp2 with 2 virtual stages per rank, ZeRO-1 over dp 1, and
   B = tp1 x pp2 x dp2, ZeRO-3 with the optimizer offloaded to the CPU:
 a straight run of 6 iterations at the saving layout also saves at iteration 3; a second run at the other
 layout loads that checkpoint (weights, fp32 masters, Adam moments and step, lr schedule, data position)
@@ -23,7 +23,8 @@ from megatron_like.training.checkpointing import write_tracker
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
 
-A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"]
+A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+     "--num-layers-per-virtual-pipeline-stage", "1"]
 B = ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--optimizer-cpu-offload"]
 FLAGS = ["--ckpt-format", "torch_dist", "--train-iters", "6", "--lr-warmup-iters", "2",
          "--lr-decay-style", "cosine"]
