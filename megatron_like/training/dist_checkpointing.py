@@ -403,3 +403,8 @@ def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) 
                  storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
     return out
 
+
+def model_keys(path: str) -> list[str]:
+    """The ``model.<name>`` keys of the torch_dist checkpoint in iteration directory ``path``."""
+    return sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("model."))
+

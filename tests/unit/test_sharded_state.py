@@ -80,3 +80,30 @@ def test_checkpoint_format_flags_that_do_not_fit_are_refused(flags, message):
 
     with pytest.raises(ConfigError, match=message):
         parse_config(BASE_FLAGS + flags, world_size=1)
+
+
+def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
+    """load_full_state / read_saved_config (generation, the server, evaluation, HF export, classification) read a
+    torch_dist checkpoint as the same full weights as a torch one of the same run."""
+    from megatron_like.inference.loading import load_inference_model
+    from megatron_like.model.state import load_full_state, read_saved_config
+    from megatron_like.parallel_state import ParallelState
+
+    flags = ["--train-iters", "2", "--untie-embeddings-and-output-weights"]
+    train_gpt(0, 1, flags + ["--save", str(tmp_path / "torch")])
+    train_gpt(0, 1, flags + ["--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    assert read_saved_config(str(tmp_path / "dist")).model == read_saved_config(str(tmp_path / "torch")).model
+    _, expected = load_full_state(str(tmp_path / "torch"))
+    _, full = load_full_state(str(tmp_path / "dist"))
+    assert set(full) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(full[name], tensor), name
+    _, stage = load_full_state(str(tmp_path / "dist"), layers=[1])
+    assert not any(k.startswith(("layers.0.", "layers.2.")) for k in stage) and "layers.1.mlp.fc1.weight" in stage
+    ps = ParallelState.single_process(torch.device("cpu"))
+    tokens = torch.arange(32).reshape(2, 16) % 256
+    positions = torch.arange(16)[None].expand_as(tokens)
+    with torch.no_grad():
+        logits = [load_inference_model(str(tmp_path / name), ps, with_tokenizer=False).model[0](tokens, positions)
+                  for name in ("torch", "dist")]
+    assert torch.equal(logits[0], logits[1])
