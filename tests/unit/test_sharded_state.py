@@ -107,3 +107,18 @@ def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
         logits = [load_inference_model(str(tmp_path / name), ps, with_tokenizer=False).model[0](tokens, positions)
                   for name in ("torch", "dist")]
     assert torch.equal(logits[0], logits[1])
+
+
+def test_reshard_tool_sends_torch_dist_checkpoints_back_to_the_trainer(tmp_path, capsys):
+    import sys
+
+    from tests.e2e.cli import ROOT
+
+    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    sys.path.insert(0, str(ROOT / "tools"))
+    import checkpoint_reshard
+
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "out"),
+                                    "--target-tensor-model-parallel-size", "2",
+                                    "--target-pipeline-model-parallel-size", "1"]) == 2
+    assert "torch_dist checkpoint, which loads at any layout" in capsys.readouterr().err
