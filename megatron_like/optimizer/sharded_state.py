@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from megatron_like.model.sharded_state import GlobalPieces, clip_to, flat_pieces, owned_segments, writes_segment
+from megatron_like.model.sharded_state import GlobalPieces, flat_pieces, owned_segments, writes_segment
 from megatron_like.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 
@@ -65,23 +65,23 @@ def optimizer_save_pieces(optimizer: DistributedOptimizer, model: list[nn.Module
 
 
 def optimizer_load_pieces(optimizer: DistributedOptimizer, model: list[nn.Module], ps: ParallelState,
-                          saved_shapes: dict[str, tuple[int, ...]], master_prefix: str | None,
+                          master_prefix: str | None,
                           with_moments: bool) -> tuple[dict[str, GlobalPieces], Callable[[float | None], None]]:
     """What this rank reads for its own segments, and a function that installs it once read.
 
     ``master_prefix``: where separate masters come from (``optimizer.master.``, or ``model.`` for a
     checkpoint of an fp32 run), None to leave them. ``with_moments``: read AdamW's moments (False when the
     checkpoint has none: saved before the first step or with --no-save-optim).
-    Returns ``(pieces, install)``; call ``install(step)`` after the read.
+    Returns ``(pieces, install)`` (pieces in this run's global shapes: the caller fits them to the saved
+    ones); call ``install(step)`` after the read.
     """
     separate = _separate_masters(optimizer)
     out: dict[str, GlobalPieces] = {}
     moments: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     def add(key: str, placement, param, flat: torch.Tensor, plo: int, phi: int) -> None:
-        pieces = flat_pieces(placement, tuple(param.shape), flat, plo, phi)
-        entry = out.setdefault(key, GlobalPieces(saved_shapes[key]))
-        entry.pieces += clip_to(pieces, saved_shapes[key])
+        entry = out.setdefault(key, GlobalPieces(placement.global_shape))
+        entry.pieces += flat_pieces(placement, tuple(param.shape), flat, plo, phi)
 
     for (placement, param, bucket, _, _, plo, phi), segment in _segments(optimizer, model, ps):
         if with_moments:

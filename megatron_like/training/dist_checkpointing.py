@@ -355,8 +355,8 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         with_moments = saved_optim is not None and saved_optim["step"] is not None
         # Separate masters read `model.<name>` when the checkpoint has no masters (an fp32 run's); this rank
         # already reads that key into its params, and one key is read once per call: a second read then.
-        pieces, install = optimizer_load_pieces(optimizer, model, ps, shapes,
-                                                MASTER_PREFIX if has_masters else "model.", with_moments)
+        pieces, install = optimizer_load_pieces(optimizer, model, ps, MASTER_PREFIX if has_masters else "model.",
+                                                with_moments)
         for key, entry in pieces.items():
             (second_read if key in state else state)[key] = entry
     layout = common.get("layout", {})
