@@ -18,6 +18,17 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def is_initialized() -> bool:
+    """Whether a process group is up (False in a plain single-process run)."""
+    return dist.is_initialized()
+
+
+def new_world_group() -> Group:
+    """A second group over every rank (collective: all ranks call it), for work on another thread, such as an
+    asynchronous checkpoint write, whose collectives must not interleave with training's; None alone."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -33,6 +33,7 @@ from megatron_like.model.state import (  # noqa: E402
     CHECKPOINT_FILE,
     VOCAB_PARAMS,
     checkpoint_iteration_dir,
+    is_torch_dist,
     load_full_state,
     resize_vocab,
     shard_full_state,
@@ -162,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         print("error: --save must differ from --load (the source stays as it is)", file=sys.stderr)
+        return 2
+    if is_torch_dist(checkpoint_iteration_dir(args.load, args.iteration)):
+        print(f"error: {args.load} is a --ckpt-format torch_dist checkpoint, which loads at any layout as it is: "
+              "resume with the new layout's flags and --load", file=sys.stderr)
         return 2
     try:
         path = reshard(args.load, args.save, args.target_tensor_model_parallel_size,

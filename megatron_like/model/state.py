@@ -8,7 +8,8 @@ tensor parallelism is read from the parameters themselves (``tensor_model_parall
 edit here. Used by generation (load any checkpoint into any layout), the Hugging Face converter and the
 checkpoint resharding tool.
 
-Checkpoint layout read here (docs/design.md §5)::
+Checkpoint layouts read here (docs/checkpoints.md): torch_dist checkpoints hold full tensors already; the
+torch format (docs/design.md §5)::
 
     <root>/latest_checkpointed_iteration.txt
     <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   {"config": ..., "model": [chunk states]}
@@ -206,9 +207,17 @@ def _load(path: str) -> dict:
     return read_checkpoint_file(path, mmap=True)
 
 
+def is_torch_dist(it_dir: str) -> bool:
+    """Whether the iteration directory ``it_dir`` holds a ``--ckpt-format torch_dist`` checkpoint (DCP's index)."""
+    return os.path.exists(os.path.join(it_dir, ".metadata"))
+
+
 def read_saved_config(root: str, iteration: int | None = None) -> Config:
-    """The Config a checkpoint was saved with (from its first shard)."""
-    path = os.path.join(checkpoint_iteration_dir(root, iteration), "mp_rank_00_000", CHECKPOINT_FILE)
+    """The Config a checkpoint was saved with (from its first shard, or torch_dist's ``common.pt``)."""
+    it_dir = checkpoint_iteration_dir(root, iteration)
+    if is_torch_dist(it_dir):
+        return Config.from_dict(_load(os.path.join(it_dir, "common.pt"))["config"])
+    path = os.path.join(it_dir, "mp_rank_00_000", CHECKPOINT_FILE)
     if not os.path.exists(path):
         raise CheckpointLoadError(f"checkpoint file {path} is missing")
     return Config.from_dict(_load(path)["config"])
@@ -226,6 +235,8 @@ def load_full_state(root: str, iteration: int | None = None,
     """
     it_dir = checkpoint_iteration_dir(root, iteration)
     config = read_saved_config(root, iteration)
+    if is_torch_dist(it_dir):
+        return config, _load_torch_dist_state(it_dir, layers)
     p, m = config.parallel, config.model
     tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
     full: dict[str, torch.Tensor] = {}
@@ -244,6 +255,18 @@ def load_full_state(root: str, iteration: int | None = None,
     if not m.untie_embeddings_and_output_weights:
         full.pop("output_layer.weight", None)
     return config, {k: v.clone() for k, v in full.items()}
+
+
+def _load_torch_dist_state(it_dir: str, layers: Collection[int] | None) -> dict[str, torch.Tensor]:
+    """The ``model.<name>`` global tensors of a torch_dist checkpoint: already full, single-process names,
+    the saved padded vocabulary, no tied copy (docs/checkpoints.md)."""
+    # Imported here: the reader lives with the training side's DCP planners, which import the model package.
+    from megatron_like.training.dist_checkpointing import model_keys, read_full_tensors
+
+    root, name = os.path.split(it_dir.rstrip(os.sep))
+    keys = [k for k in model_keys(it_dir) if layers is None or _wanted(k[len("model."):], layers)]
+    tensors = read_full_tensors(root, keys, int(name[len("iter_"):]))
+    return {k[len("model."):]: t for k, t in tensors.items()}
 
 
 def load_into_model(model: Sequence[GPTModel], full: dict[str, torch.Tensor]) -> None:

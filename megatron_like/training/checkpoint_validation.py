@@ -38,11 +38,13 @@ from megatron_like.training.checkpointing import (
     CheckpointError,
     _check_optimizer_layout,
     check_compatible,
+    check_same_model,
     checkpoint_dir,
     latest_iteration,
     optimizer_is_sharded,
     rank_file,
 )
+from megatron_like.training.dist_checkpointing import COMMON_FILE, is_dist_checkpoint
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -113,6 +115,14 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     if not os.path.isdir(iteration_dir):
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but {iteration_dir} "
                               "does not exist; write the number of an existing iter_ directory into it")
+    if is_dist_checkpoint(root, iteration):
+        # torch_dist: DCP checks every key and global shape when it plans the load (one-line error naming
+        # the flag); here the one pickled file every rank reads, before any rank trains.
+        common = os.path.join(iteration_dir, COMMON_FILE)
+        if not os.path.isfile(common):
+            raise CheckpointError(f"checkpoint file {common} is missing; the torch_dist checkpoint is incomplete")
+        check_same_model(read_checkpoint_file(common), config, common)
+        return
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.isfile(path):

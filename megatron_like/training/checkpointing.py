@@ -138,7 +138,13 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
 
     Every rank writes one file (see the module docstring); all ranks must call this together. The model
     must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model)``).
+    ``--ckpt-format torch_dist`` saves through ``dist_checkpointing.py`` instead (no gathering needed).
     """
+    if config.checkpoint.ckpt_format == "torch_dist":
+        from megatron_like.training import dist_checkpointing  # it imports this module
+
+        return dist_checkpointing.save_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler,
+                                                       consumed_samples)
     path = checkpoint_dir(root, iteration, ps)
     os.makedirs(path, exist_ok=True)
     save_optim = optimizer is not None and config.checkpoint.save_optim
@@ -158,10 +164,15 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
     write_atomically(rank_file(path, ps.dp_rank), lambda f: torch.save(state, f))
     comm.barrier()
     if ps.rank == 0:
-        _fault("tracker")
-        write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
+        write_tracker(root, iteration)
     comm.barrier()
     return path
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Name ``iteration`` in ``<root>/latest_checkpointed_iteration.txt`` (rank 0, once every rank's files are in)."""
+    _fault("tracker")
+    write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
 
 
 def latest_iteration(root: str) -> int | None:
@@ -176,9 +187,9 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def check_compatible(saved: dict, config: Config, path: str) -> None:
-    """Refuse a checkpoint whose model shape or parallel layout differs from this run's flags."""
-    saved_model, saved_parallel = saved["config"]["model"], saved["config"]["parallel"]
+def check_same_model(saved: dict, config: Config, path: str) -> None:
+    """Refuse a checkpoint (its saved ``config``) whose model shape or architecture differs from this run's."""
+    saved_model = saved["config"]["model"]
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "max_position_embeddings", "untie_embeddings_and_output_weights",
                  "position_embedding_type", "normalization", "swiglu", "group_query_attention",
@@ -190,6 +201,12 @@ def check_compatible(saved: dict, config: Config, path: str) -> None:
                 f"checkpoint {path} has {flag} {saved_value} but this run has "
                 f"{getattr(config.model, name)}; pass the checkpoint's value"
             )
+
+
+def check_compatible(saved: dict, config: Config, path: str) -> None:
+    """Refuse a checkpoint whose model shape or parallel layout differs from this run's flags."""
+    check_same_model(saved, config, path)
+    saved_parallel = saved["config"]["parallel"]
     for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
         if saved_parallel.get(name) != getattr(config.parallel, name):
             flag = "--" + name.replace("_", "-")
@@ -237,6 +254,10 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
+    from megatron_like.training import dist_checkpointing  # it imports this module
+
+    if dist_checkpointing.is_dist_checkpoint(root, iteration):  # either format loads, whatever --ckpt-format
+        return dist_checkpointing.load_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler)
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.exists(path):

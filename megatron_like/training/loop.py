@@ -9,6 +9,7 @@ applied in ``parallelize.py`` (its docstring gives the order of every kind of pa
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.dist_checkpointing import wait_for_async_save
 from megatron_like.training.job_lock import hold_checkpoint_directory
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
@@ -189,6 +191,11 @@ def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, dat
     return average_losses(forward_only_stats(config, ps, forward_step_func, data_iterator, model, num_batches), ps)
 
 
+def _full_params_for_save(config: Config, model: list[nn.Module]) -> contextlib.AbstractContextManager:
+    """The torch format saves full parameters (gathered at ZeRO-3); torch_dist writes from each rank's shards."""
+    return gathered_parameters(model) if config.checkpoint.ckpt_format == "torch" else contextlib.nullcontext()
+
+
 def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
              datasets_provider: DatasetsProvider, ps: ParallelState | None = None,
              padded_vocab_size: int | None = None) -> TrainingResult:
@@ -285,7 +292,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         exit_reason = exit_conditions.check(iteration)
         should_exit = exit_reason is not None
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
-            with gathered_parameters(model):
+            with _full_params_for_save(config, model):
                 save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
         if should_exit:
@@ -294,7 +301,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     else:
         if config.checkpoint.save and not (config.checkpoint.save_interval
                                            and iteration % config.checkpoint.save_interval == 0):
-            with gathered_parameters(model):
+            with _full_params_for_save(config, model):
                 save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
                                 consumed)
             print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
@@ -303,6 +310,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if test_iter is not None and log.eval_iters > 0:
             logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),
                               split="test")
+    wait_for_async_save()  # --async-save: the last checkpoint is complete and named before the run returns
     exit_conditions.close()
     logger.close()
     lock.release()

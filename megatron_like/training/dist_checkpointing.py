@@ -1,0 +1,400 @@
+"""``--ckpt-format torch_dist``: checkpoints of global tensors that load at any parallel layout.
+
+Layout of one checkpoint (docs/checkpoints.md)::
+
+    <root>/latest_checkpointed_iteration.txt       last, atomically, by rank 0 (as the torch format)
+    <root>/iter_0000100/.metadata                  DCP's index: every key, its global shape, its pieces
+    <root>/iter_0000100/__R_0.distcp               the pieces rank R wrote
+    <root>/iter_0000100/common.pt                  rank 0: iteration, consumed samples, args, scheduler,
+                                                   AdamW step count, loss scaler (plain values)
+
+Keys written through torch.distributed.checkpoint (DCP):
+
+* ``model.<name>``: every parameter under its single-process name and shape;
+* ``optimizer.exp_avg.<name>``, ``optimizer.exp_avg_sq.<name>`` and, when the params are not fp32,
+  ``optimizer.master.<name>``: same shapes as the parameter;
+* ``rng.tp<T>.pp<P>.dp<D>``: the generators of the rank at those coordinates (bytes).
+
+Each rank writes only elements it owns (its ZeRO shard, tp rank 0 for tp-replicated tensors, dp rank 0
+without ZeRO: ``megatron_like/model/sharded_state.py``), and reads the elements its own layout needs. RNG
+states belong to one rank of one layout: they are restored when tp, pp and dp sizes are the saved ones,
+and otherwise the run keeps its generators seeded from --seed.
+
+DCP runs its own collectives (gathering the rank plans, a barrier at the end) on the default process
+group, so its ``save`` and ``load`` are called here rather than through ``megatron_like/collectives.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_like import collectives as comm
+from megatron_like.config import Config
+from megatron_like.model.sharded_state import (
+    VOCAB_PARAMS,
+    GlobalPieces,
+    clip_to,
+    model_load_pieces,
+    model_save_pieces,
+)
+from megatron_like.optimizer.sharded_state import (
+    MASTER_PREFIX,
+    optimizer_load_pieces,
+    optimizer_save_pieces,
+    optimizer_step,
+)
+from megatron_like.parallel_state import ParallelState
+from megatron_like.training import checkpointing as ckpt
+
+COMMON_FILE = "common.pt"
+DCP_METADATA = ".metadata"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_dist_checkpoint(root: str, iteration: int) -> bool:
+    """Whether ``<root>/iter_XXXXXXX`` was saved with --ckpt-format torch_dist (it holds DCP's index)."""
+    return os.path.exists(os.path.join(iteration_dir(root, iteration), DCP_METADATA))
+
+
+def _rng_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
+    return f"rng.tp{tp_rank}.pp{pp_rank}.dp{dp_rank}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Planners: DCP's default ones, taught that one key may have several pieces on a rank
+# --------------------------------------------------------------------------------------------------
+
+
+def _piece_at(value: GlobalPieces, offset: torch.Size) -> torch.Tensor:
+    for offsets, tensor in value.pieces:
+        if torch.Size(offsets) == offset:
+            return tensor
+    raise KeyError(f"no piece at offset {tuple(offset)}")
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Writes a :class:`GlobalPieces` as one DCP shard per piece and anything else as bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, value in self.state_dict.items():
+            if not isinstance(value, GlobalPieces):
+                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+                continue
+            for offsets, tensor in value.pieces:
+                offset = torch.Size(offsets)
+                items.append(WriteItem(
+                    index=MetadataIndex(key, offset), type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offset, sizes=tensor.size()),
+                                                properties=TensorProperties.create_from_tensor(tensor),
+                                                size=torch.Size(value.global_shape)),
+                ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        value = self.state_dict[index.fqn]
+        return _piece_at(value, index.offset) if isinstance(value, GlobalPieces) else value
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Reads into the pieces of a :class:`GlobalPieces` in place; bytes with ``weights_only`` (no pickle)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        # The default one walks the state dict to materialize meta tensors and drops objects it does not know.
+        self.original_state_dict = self.state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        requests = []
+        for key, value in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata[key]
+            if isinstance(value, GlobalPieces):
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=t.size()) for o, t in value.pieces]
+                requests += create_read_items_for_chunk_list(key, saved, chunks)
+            else:
+                requests.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                                         dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(key),
+                                         storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return _piece_at(self.state_dict[index.fqn], index.offset)
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+@contextlib.contextmanager
+def _process_group_or_none() -> Iterator[bool]:
+    """Yields DCP's ``no_dist``: True in a single-process run, where DCP's warning that it runs without a
+    process group says what we asked for and is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield not comm.is_initialized()
+
+
+def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> None:
+    with _process_group_or_none() as no_dist:
+        dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
+                 process_group=group)
+
+
+def _dcp_load(state: dict[str, Any], path: str) -> None:
+    with _process_group_or_none() as no_dist:
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=no_dist)
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------
+
+
+class _AsyncWrite:
+    """The one checkpoint write running in the background (``--async-save``), and its error if it failed."""
+
+    group: comm.Group = None  # a second process group: DCP's collectives there do not meet training's
+    group_made = False
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+
+
+before_async_write: Callable[[], None] | None = None
+"""Tests set this to run in the writer thread before it writes (e.g. to let training move on first)."""
+
+
+def wait_for_async_save() -> None:
+    """Block until the background write (if any) is complete and named by the tracker; re-raise its error.
+
+    Called before the next save and at the end of training (by every rank)."""
+    thread = _AsyncWrite.thread
+    if thread is None:
+        return
+    thread.join()
+    _AsyncWrite.thread = None
+    # Rank 0 wrote the tracker in its thread: every rank returns only after that.
+    comm.barrier()
+    if _AsyncWrite.error is not None:
+        error, _AsyncWrite.error = _AsyncWrite.error, None
+        raise ckpt.CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+
+
+def _staged(state: dict[str, Any]) -> dict[str, Any]:
+    """A host copy of everything ``state`` points into, so training may change its tensors meanwhile."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, GlobalPieces):
+            value = GlobalPieces(value.global_shape, [(o, t.detach().to("cpu", copy=True)) for o, t in value.pieces])
+        else:
+            value = copy.deepcopy(value)
+        out[key] = value
+    return out
+
+
+def _check_only_parameters(model: list[nn.Module]) -> None:
+    """torch_dist stores parameters only: refuse a model with other state (buffers) rather than drop it."""
+    for chunk in model:
+        extra = sorted(set(chunk.state_dict()) - {name for name, _ in chunk.named_parameters()})
+        if extra:
+            raise ckpt.CheckpointError(f"--ckpt-format torch_dist saves parameters only, and this model also holds "
+                                       f"{', '.join(extra[:3])}; use --ckpt-format torch")
+
+
+def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
+                         optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
+    """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
+
+    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards. With
+    ``--async-save`` the state is copied to host memory here and written by a background thread; rank 0
+    names the checkpoint in the tracker only once DCP's save returned, i.e. once every rank's pieces and
+    the index are on disk, so the tracker never names an incomplete checkpoint.
+    """
+    _check_only_parameters(model)
+    wait_for_async_save()
+    path = iteration_dir(root, iteration)
+    os.makedirs(path, exist_ok=True)
+    state: dict[str, Any] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
+    save_optim = optimizer is not None and config.checkpoint.save_optim
+    if save_optim:
+        state.update(optimizer_save_pieces(optimizer, model, ps))
+    state[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
+    common = {
+        "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": {"step": optimizer_step(optimizer),
+                      "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
+        if save_optim else None,
+        "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+    }
+
+    def write(group: comm.Group) -> None:
+        _dcp_save(state, path, group)
+        if ps.rank == 0:  # DCP's save returns once every rank's pieces and the index are written
+            ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+            ckpt.write_tracker(root, iteration)
+
+    if not config.checkpoint.async_save:
+        write(None)
+        comm.barrier()  # every rank returns once the tracker names the new checkpoint
+        return path
+    if not _AsyncWrite.group_made:
+        _AsyncWrite.group, _AsyncWrite.group_made = comm.new_world_group(), True
+    state, common = _staged(state), copy.deepcopy(common)
+
+    def background() -> None:
+        try:
+            if before_async_write is not None:
+                before_async_write()
+            write(_AsyncWrite.group)
+        except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait_for_async_save
+            _AsyncWrite.error = error
+
+    _AsyncWrite.thread = threading.Thread(target=background, name="async-checkpoint-save", daemon=False)
+    _AsyncWrite.thread.start()
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------
+
+
+def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str) -> None:
+    """Check every key against the checkpoint; trim the vocabulary rows another tp's padding does not have."""
+    for key, entry in pieces.items():
+        if key not in shapes:
+            raise ckpt.CheckpointError(f"checkpoint {path} has no {key!r} (saved from a different model?)")
+        saved, own = shapes[key], entry.global_shape
+        vocab = key.endswith(VOCAB_PARAMS) and saved[1:] == own[1:]
+        if saved != own and not vocab:
+            raise ckpt.CheckpointError(f"checkpoint {path} holds {key} of shape {list(saved)}, this model's is "
+                                       f"{list(own)}: a different model")
+        entry.pieces = clip_to(entry.pieces, saved)
+
+
+def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
+                         optimizer: Any, scheduler: Any) -> tuple[int, int]:
+    """Load a torch_dist checkpoint at this run's layout; returns (iteration, consumed samples).
+
+    The model must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model,
+    write_back=True)``). ``--finetune`` reads the weights only and returns (0, 0).
+    """
+    path = iteration_dir(root, iteration)
+    common_path = os.path.join(path, COMMON_FILE)
+    if not os.path.exists(common_path):
+        raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?)")
+    common = torch.load(common_path, map_location="cpu", weights_only=True)
+    ckpt.check_same_model(common, config, path)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    shapes = {k: tuple(m.size) for k, m in metadata.items() if not isinstance(m, BytesStorageMetadata)}
+    weights_only = config.checkpoint.finetune
+
+    # Parameters. An fp32 run's params are its masters: take the fp32 masters when the checkpoint has them.
+    params = model_load_pieces(model, ps)
+    fp32_params = all(p.dtype == torch.float32 for chunk in model for p in chunk.parameters())
+    if fp32_params:
+        params = {(MASTER_PREFIX + k[len("model."):] if MASTER_PREFIX + k[len("model."):] in shapes else k): v
+                  for k, v in params.items()}
+    state: dict[str, Any] = dict(params)
+
+    saved_optim = common.get("optimizer")
+    load_optim = optimizer is not None and config.checkpoint.load_optim and not weights_only
+    install = None
+    second_read: dict[str, Any] = {}
+    has_masters = any(k.startswith(MASTER_PREFIX) for k in shapes)
+    # Decided alike on every rank (same dtype and devices everywhere): DCP's load is collective.
+    masters_from_params = load_optim and not has_masters and not all(optimizer.master_is_param)
+    if load_optim:
+        with_moments = saved_optim is not None and saved_optim["step"] is not None
+        # Separate masters read `model.<name>` when the checkpoint has no masters (an fp32 run's); this rank
+        # already reads that key into its params, and one key is read once per call: a second read then.
+        pieces, install = optimizer_load_pieces(optimizer, model, ps, MASTER_PREFIX if has_masters else "model.",
+                                                with_moments)
+        for key, entry in pieces.items():
+            (second_read if key in state else state)[key] = entry
+    layout = common.get("layout", {})
+    same_layout = layout == {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+    rng_key = _rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)
+    load_rng = config.checkpoint.load_rng and not weights_only and same_layout and rng_key in metadata
+    if load_rng:
+        state[rng_key] = None
+
+    _fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path)
+    _fit_to_saved(second_read, shapes, path)
+    _dcp_load(state, path)
+    if masters_from_params:  # every rank takes part, also one with nothing to read
+        _dcp_load(second_read, path)
+    if weights_only:
+        return 0, 0
+    if install is not None:
+        install(saved_optim["step"] if saved_optim else None)
+        if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:
+            optimizer.scaler.load_state_dict(saved_optim["loss_scaler"])
+    if scheduler is not None and common["scheduler"] is not None:
+        scheduler.load_state_dict(common["scheduler"])
+    if load_rng:
+        ckpt.set_rng_state(state[rng_key])
+    elif config.checkpoint.load_rng and ps.rank == 0 and not same_layout:
+        print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}: "
+              "its RNG states belong to that layout; the generators stay seeded from --seed", flush=True)
+    return common["iteration"], common["consumed_samples"]
+
+
+def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) -> dict[str, torch.Tensor]:
+    """Whole global tensors of a torch_dist checkpoint, read in this one process (no process group needed:
+    call it outside a distributed run, e.g. in a tool or a test). Default: the latest iteration."""
+    iteration = ckpt.latest_iteration(root) if iteration is None else iteration
+    path = iteration_dir(root, iteration)
+    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path} has no {', '.join(missing)}")
+    out = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in out.items()},
+                 storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    return out
+
+
+def model_keys(path: str) -> list[str]:
+    """The ``model.<name>`` keys of the torch_dist checkpoint in iteration directory ``path``."""
+    return sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("model."))
+

@@ -1,0 +1,124 @@
+"""Global-tensor pieces of torch_dist checkpoints: flat ZeRO ranges as boxes, vocabulary trimming, and a
+single-process save and resume (DCP without a process group; --load detects the format by itself)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_like.model.sharded_state import clip_to, flat_range_boxes
+from megatron_like.training.checkpointing import CheckpointError, write_tracker
+from tests.distributed.gpt_runs import train_gpt
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 10), (3, 4, 5), (1, 6), (6, 1)])
+def test_flat_range_boxes_tile_every_range_in_flat_order(shape):
+    n = math.prod(shape)
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            numbered = torch.arange(n).reshape(shape)
+            start = lo
+            for offsets, sizes in flat_range_boxes(shape, lo, hi):
+                box = numbered[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                # each box is the next contiguous flat range
+                assert torch.equal(box.reshape(-1), torch.arange(start, start + math.prod(sizes))), (shape, lo, hi)
+                start += math.prod(sizes)
+            assert start == hi
+            assert len(flat_range_boxes(shape, lo, hi)) <= 2 * len(shape) - 1
+
+
+def test_clip_to_drops_rows_beyond_a_smaller_saved_vocabulary():
+    local = torch.zeros(8, 3)
+    pieces = clip_to([((4, 0), local[:4]), ((8, 0), local[4:])], (10, 3))
+    assert [(o, tuple(t.shape)) for o, t in pieces] == [((4, 0), (4, 3)), ((8, 0), (2, 3))]
+    assert pieces[1][1].data_ptr() == local[4].data_ptr()  # a view: loads land in place
+
+
+def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path):
+    flags = ["--hidden-dropout", "0.1", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
+    straight = train_gpt(0, 1, flags + ["--train-iters", "4"])
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path), "--ckpt-format", "torch_dist"])
+    assert (tmp_path / "iter_0000002" / ".metadata").exists()
+    # Loaded without --ckpt-format (default torch): the format is read from the directory.
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path)])
+    assert resumed["losses"] == straight["losses"][2:]
+    with pytest.raises(CheckpointError, match="--hidden-size 64 but this run has 32"):
+        train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--hidden-size", "32"])
+
+
+def test_precision_change_takes_masters_from_the_right_keys(tmp_path):
+    """bf16 checkpoint -> fp32 run: the params are the saved fp32 masters, not the bf16 weights. fp32 checkpoint
+    -> bf16 run: the masters come from the fp32 weights (a second read, since the params read the same keys)
+    and training continues close to the fp32 run."""
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+
+    flags = ["--lr-decay-iters", "4", "--lr-warmup-iters", "1", "--ckpt-format", "torch_dist"]
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    train_gpt(0, 1, flags + ["--train-iters", "2", "--bf16", "--save", str(bf16)])
+    loaded = train_gpt(0, 1, flags + ["--train-iters", "2", "--load", str(bf16)])["params"]  # no further step
+    masters = read_full_tensors(str(bf16), ["optimizer.master." + name for name in loaded])
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, masters["optimizer.master." + name]), name
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in loaded.values())  # masters hold more than bf16
+
+    straight = train_gpt(0, 1, flags + ["--train-iters", "4", "--save", str(fp32), "--save-interval", "2"])
+    write_tracker(str(fp32), 2)
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--bf16", "--load", str(fp32)])
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][2:]),
+                               rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--async-save"], "--async-save writes torch_dist checkpoints only"),
+    (["--qat", "--ckpt-format", "torch_dist"], "--qat keeps quantizer statistics"),
+])
+def test_checkpoint_format_flags_that_do_not_fit_are_refused(flags, message):
+    from megatron_like.config import ConfigError, parse_config
+    from tests.distributed.gpt_runs import BASE_FLAGS
+
+    with pytest.raises(ConfigError, match=message):
+        parse_config(BASE_FLAGS + flags, world_size=1)
+
+
+def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
+    """load_full_state / read_saved_config (generation, the server, evaluation, HF export, classification) read a
+    torch_dist checkpoint as the same full weights as a torch one of the same run."""
+    from megatron_like.inference.loading import load_inference_model
+    from megatron_like.model.state import load_full_state, read_saved_config
+    from megatron_like.parallel_state import ParallelState
+
+    flags = ["--train-iters", "2", "--untie-embeddings-and-output-weights"]
+    train_gpt(0, 1, flags + ["--save", str(tmp_path / "torch")])
+    train_gpt(0, 1, flags + ["--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    assert read_saved_config(str(tmp_path / "dist")).model == read_saved_config(str(tmp_path / "torch")).model
+    _, expected = load_full_state(str(tmp_path / "torch"))
+    _, full = load_full_state(str(tmp_path / "dist"))
+    assert set(full) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(full[name], tensor), name
+    _, stage = load_full_state(str(tmp_path / "dist"), layers=[1])
+    assert not any(k.startswith(("layers.0.", "layers.2.")) for k in stage) and "layers.1.mlp.fc1.weight" in stage
+    ps = ParallelState.single_process(torch.device("cpu"))
+    tokens = torch.arange(32).reshape(2, 16) % 256
+    positions = torch.arange(16)[None].expand_as(tokens)
+    with torch.no_grad():
+        logits = [load_inference_model(str(tmp_path / name), ps, with_tokenizer=False).model[0](tokens, positions)
+                  for name in ("torch", "dist")]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_reshard_tool_sends_torch_dist_checkpoints_back_to_the_trainer(tmp_path, capsys):
+    import sys
+
+    from tests.e2e.cli import ROOT
+
+    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    sys.path.insert(0, str(ROOT / "tools"))
+    import checkpoint_reshard
+
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "out"),
+                                    "--target-tensor-model-parallel-size", "2",
+                                    "--target-pipeline-model-parallel-size", "1"]) == 2
+    assert "torch_dist checkpoint, which loads at any layout" in capsys.readouterr().err
