@@ -252,15 +252,27 @@ class ParamAndGradBuffer:
                 def finish() -> None:
                     bucket.grad_shard.copy_(out)
             else:
-                bucket.grad_flat = None  # freed once the collective (which holds `grad`) completes
+                bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
                 def finish() -> None:
                     bucket.grad_shard.add_(out)
         bucket.reduction_launched = True
-        if async_op and work is not None:
-            self._pending.append((work, finish, grad))
-        else:
+        if not async_op or work is None:
             finish()
+            return
+        if self.zero_stage >= 2:
+            # Stage 2/3 reduce every micro batch, and each launched reduction holds a full fp32 bucket
+            # gradient. Finishing the earlier ones now (they had this bucket's backward to complete) keeps
+            # one in flight, so the transient gradient memory does not grow with the number of micro batches.
+            self._finish_pending()
+        self._pending.append((work, finish, grad))
+
+    def _finish_pending(self) -> None:
+        """Wait for every launched reduction, add its result into the shard, drop the full gradient it held."""
+        for work, finish, _ in self._pending:
+            work.wait()
+            finish()
+        self._pending.clear()
 
     # ---------------------------------------------------------------- per step
     def start_grad_sync(self, num_microbatches: int) -> None:
@@ -284,10 +296,7 @@ class ParamAndGradBuffer:
                     bucket.release()
             elif not bucket.reduction_launched:
                 self._reduce(bucket, async_op=True)
-        for work, finish, _ in self._pending:
-            work.wait()
-            finish()
-        self._pending.clear()
+        self._finish_pending()
         for bucket in self.buckets:
             if self.zero_stage >= 2:
                 bucket.grad_flat = None
