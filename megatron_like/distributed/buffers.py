@@ -35,8 +35,16 @@ a bucket has reported for this micro batch the bucket is *complete*:
   is launched asynchronously right away, overlapping the rest of backward; without it every bucket is
   reduced in :meth:`ParamAndGradBuffer.finish_grad_sync`.
 * stage 2/3: the bucket's gradient is reduce-scattered every micro batch (that is the price of not
-  keeping a full gradient) into the persistent shard, asynchronously with ``--overlap-grad-reduce``;
-  its temporary ``grad_flat`` is then dropped. At stage 3 the gathered parameters are freed too.
+  keeping a full gradient) into the persistent shard and its temporary ``grad_flat`` dropped. With
+  ``--overlap-grad-reduce`` the reduce-scatter is asynchronous, and launching one first finishes the
+  reductions launched before it (they overlapped the backward of this bucket): one is in flight at a
+  time, so the transient full gradients are bounded by the chunk root's plus two layers' buckets (one
+  accumulating, one in flight), whatever the number of micro batches. At stage 3 the gathered
+  parameters are freed too.
+
+Why not Megatron's way (accumulate full gradients over micro batches, reduce-scatter only in the last
+one)? That keeps a full fp32 gradient (4 bytes per parameter) for the whole step, which is stage 1's
+memory, and stage 1 already does exactly that.
 
 Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum).
 """

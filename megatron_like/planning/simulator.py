@@ -10,6 +10,8 @@ Per pipeline rank it then adds:
   ``--optimizer-cpu-offload``);
 * activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
   schedule, recomputation, sequence parallelism);
+* at ZeRO-2/3 the unsharded buffers of the units in use during backward (:func:`zero_transient_bytes`:
+  full fp32 gradients of the chunk root and of one or two layers, ZeRO-3's gathered params);
 * FLOPs per iteration (DESIGN.md §8, plus the recomputed forward), the pipeline bubble
   ``(pp - 1) / (vp m)`` and a throughput estimate at an assumed fraction of the device's peak.
 
@@ -215,19 +217,19 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
         f" > model parameters: {plan.total_params / 1e9:.3f} B",
         "",
         f"{'pp rank':>7} | {'params (M)':>10} | {'weights':>8} | {'grads':>8} | {'optimizer':>9} | "
-        f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'total GiB':>9}",
-        "-" * 106,
+        f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'zero tmp':>8} | {'total GiB':>9}",
+        "-" * 117,
     ]
     for r in plan.ranks:
         a = r.activations
         lines.append(
             f"{r.pp_rank:>7} | {r.params / 1e6:>10.1f} | {r.weight_bytes / GIB:>8.2f} | {r.grad_bytes / GIB:>8.2f} | "
             f"{r.optimizer_bytes / GIB:>9.2f} | {a.per_layer / GIB:>9.3f} | {a.layers_alive:>12.1f} | "
-            f"{a.total / GIB:>11.2f} | {r.device_bytes / GIB:>9.2f}"
+            f"{a.total / GIB:>11.2f} | {r.zero_transient_bytes / GIB:>8.2f} | {r.device_bytes / GIB:>9.2f}"
         )
     host = max(r.host_bytes for r in plan.ranks)
     lines += [
-        "-" * 106,
+        "-" * 117,
         "(every tp and dp rank of a pipeline stage holds the same; GiB per device)",
         f" > FLOPs per iteration: {plan.flops_per_iteration:.3e} | pipeline bubble: {plan.bubble:.1%} | "
         f"estimated iteration time: {plan.iteration_seconds:.2f} s | estimated throughput: "
