@@ -256,23 +256,28 @@ class ParamAndGradBuffer:
         else:
             out = torch.empty(bucket.shard_numel, dtype=torch.float32, device=grad.device)
             work = comm.reduce_scatter_flat(out, grad, self.dp_group, async_op=async_op)
+            # The temporaries are freed here, on this thread, once the collective is done with them: the
+            # backend's worker thread may otherwise drop the last reference later (the profiler and the
+            # CPU log figure, which watch this thread, would then never see the free).
             if self.zero_stage == 1:
                 def finish() -> None:
                     bucket.grad_shard.copy_(out)
+                    out.untyped_storage().resize_(0)
             else:
                 bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
                 def finish() -> None:
                     bucket.grad_shard.add_(out)
+                    out.untyped_storage().resize_(0)
+                    grad.untyped_storage().resize_(0)
         bucket.reduction_launched = True
         if not async_op or work is None:
             finish()
             return
-        if self.zero_stage >= 2:
-            # Stage 2/3 reduce every micro batch, and each launched reduction holds a full fp32 bucket
-            # gradient. Finishing the earlier ones now (they had this bucket's backward to complete) keeps
-            # one in flight, so the transient gradient memory does not grow with the number of micro batches.
-            self._finish_pending()
+        # One reduction in flight: finish the earlier ones now (they had this bucket's backward to complete).
+        # At stage 2/3 each holds a full fp32 bucket gradient, every micro batch; and gloo's reduce-scatter
+        # works on a full copy of its input. Unbounded, either would grow with the micro batches or buckets.
+        self._finish_pending()
         self._pending.append((work, finish, grad))
 
     def _finish_pending(self) -> None:
@@ -325,14 +330,19 @@ class ParamAndGradBuffer:
         """Stage 1/2: all-gather every rank's updated shard so each rank holds the whole model again."""
         if self.zero_stage not in (1, 2) or self.dp_size == 1:
             return
-        works = []
-        for bucket in self.buckets:
-            # A separate input: the output region holding it would be overwritten while it is read.
-            works.append(comm.all_gather_flat(bucket.param_flat, bucket.param_shard.clone(), self.dp_group,
-                                              async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        pending: tuple[object, torch.Tensor] | None = None
+        for bucket in self.buckets + [None]:
+            launched = None
+            if bucket is not None:
+                # A separate input: the output region holding it would be overwritten while it is read.
+                shard = bucket.param_shard.clone()
+                launched = (comm.all_gather_flat(bucket.param_flat, shard, self.dp_group, async_op=True), shard)
+            if pending is not None:  # one gather in flight: gloo's all-gather allocates twice the output size
+                work, shard_in_flight = pending
+                if work is not None:
+                    work.wait()
+                shard_in_flight.untyped_storage().resize_(0)  # freed on this thread (see _reduce)
+            pending = launched
 
     def gather_all(self) -> None:
         """Stage 3: gather every bucket (checkpointing, tests); :meth:`release_all` frees them again."""
