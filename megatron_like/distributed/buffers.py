@@ -35,8 +35,16 @@ a bucket has reported for this micro batch the bucket is *complete*:
   is launched asynchronously right away, overlapping the rest of backward; without it every bucket is
   reduced in :meth:`ParamAndGradBuffer.finish_grad_sync`.
 * stage 2/3: the bucket's gradient is reduce-scattered every micro batch (that is the price of not
-  keeping a full gradient) into the persistent shard, asynchronously with ``--overlap-grad-reduce``;
-  its temporary ``grad_flat`` is then dropped. At stage 3 the gathered parameters are freed too.
+  keeping a full gradient) into the persistent shard and its temporary ``grad_flat`` dropped. With
+  ``--overlap-grad-reduce`` the reduce-scatter is asynchronous, and launching one first finishes the
+  reductions launched before it (they overlapped the backward of this bucket): one is in flight at a
+  time, so the transient full gradients are bounded by the chunk root's plus two layers' buckets (one
+  accumulating, one in flight), whatever the number of micro batches. At stage 3 the gathered
+  parameters are freed too.
+
+Why not Megatron's way (accumulate full gradients over micro batches, reduce-scatter only in the last
+one)? That keeps a full fp32 gradient (4 bytes per parameter) for the whole step, which is stage 1's
+memory, and stage 1 already does exactly that.
 
 Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum).
 """
@@ -255,19 +263,36 @@ class ParamAndGradBuffer:
         else:
             out = torch.empty(bucket.shard_numel, dtype=torch.float32, device=grad.device)
             work = comm.reduce_scatter_flat(out, grad, self.dp_group, async_op=async_op)
+            # The temporaries are freed here, on this thread, once the collective is done with them: the
+            # backend's worker thread may otherwise drop the last reference later (the profiler and the
+            # CPU log figure, which watch this thread, would then never see the free).
             if self.zero_stage == 1:
                 def finish() -> None:
                     bucket.grad_shard.copy_(out)
+                    out.untyped_storage().resize_(0)
             else:
-                bucket.grad_flat = None  # freed once the collective (which holds `grad`) completes
+                bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
                 def finish() -> None:
                     bucket.grad_shard.add_(out)
+                    out.untyped_storage().resize_(0)
+                    grad.untyped_storage().resize_(0)
         bucket.reduction_launched = True
-        if async_op and work is not None:
-            self._pending.append((work, finish, grad))
-        else:
+        if not async_op or work is None:
             finish()
+            return
+        # One reduction in flight: finish the earlier ones now (they had this bucket's backward to complete).
+        # At stage 2/3 each holds a full fp32 bucket gradient, every micro batch; and gloo's reduce-scatter
+        # works on a full copy of its input. Unbounded, either would grow with the micro batches or buckets.
+        self._finish_pending()
+        self._pending.append((work, finish, grad))
+
+    def _finish_pending(self) -> None:
+        """Wait for every launched reduction, add its result into the shard, drop the full gradient it held."""
+        for work, finish, _ in self._pending:
+            work.wait()
+            finish()
+        self._pending.clear()
 
     # ---------------------------------------------------------------- per step
     def start_grad_sync(self, num_microbatches: int) -> None:
@@ -291,10 +316,7 @@ class ParamAndGradBuffer:
                     bucket.release()
             elif not bucket.reduction_launched:
                 self._reduce(bucket, async_op=True)
-        for work, finish, _ in self._pending:
-            work.wait()
-            finish()
-        self._pending.clear()
+        self._finish_pending()
         for bucket in self.buckets:
             if self.zero_stage >= 2:
                 bucket.grad_flat = None
@@ -315,14 +337,19 @@ class ParamAndGradBuffer:
         """Stage 1/2: all-gather every rank's updated shard so each rank holds the whole model again."""
         if self.zero_stage not in (1, 2) or self.dp_size == 1:
             return
-        works = []
-        for bucket in self.buckets:
-            # A separate input: the output region holding it would be overwritten while it is read.
-            works.append(comm.all_gather_flat(bucket.param_flat, bucket.param_shard.clone(), self.dp_group,
-                                              async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        pending: tuple[object, torch.Tensor] | None = None
+        for bucket in self.buckets + [None]:
+            launched = None
+            if bucket is not None:
+                # A separate input: the output region holding it would be overwritten while it is read.
+                shard = bucket.param_shard.clone()
+                launched = (comm.all_gather_flat(bucket.param_flat, shard, self.dp_group, async_op=True), shard)
+            if pending is not None:  # one gather in flight: gloo's all-gather allocates twice the output size
+                work, shard_in_flight = pending
+                if work is not None:
+                    work.wait()
+                shard_in_flight.untyped_storage().resize_(0)  # freed on this thread (see _reduce)
+            pending = launched
 
     def gather_all(self) -> None:
         """Stage 3: gather every bucket (checkpointing, tests); :meth:`release_all` frees them again."""

@@ -12,8 +12,9 @@ data-parallel ranks, with p-byte params, fp32 gradients (``main_grad``) and Adam
 
 :func:`theoretical_state_bytes` evaluates the table (the scale simulator's input);
 :func:`measured_state_bytes` counts the tensors a run actually holds (buffers padded to multiples of dp,
-so it is a little above the table). Transient buffers (one bucket's gathered params or full gradient
-at ZeRO-2/3, activations) are not counted.
+so it is a little above the table). Transient buffers (ZeRO-2/3's full gradients of the buckets in use,
+ZeRO-3's gathered params, activations) are not counted here; the planner adds them
+(``megatron_like.planning.simulator.zero_transient_bytes``, the contract in ``docs/distributed.md``).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Per pipeline rank it then adds:
   ``--optimizer-cpu-offload``);
 * activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
   schedule, recomputation, sequence parallelism);
+* at ZeRO-2/3 the unsharded buffers of the units in use during backward (:func:`zero_transient_bytes`:
+  full fp32 gradients of the chunk root and of one or two layers, ZeRO-3's gathered params);
 * FLOPs per iteration (docs/design.md §8, plus the recomputed forward), the pipeline bubble
   ``(pp - 1) / (vp m)`` and a throughput estimate at an assumed fraction of the device's peak.
 
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_like.config import Config
+from megatron_like.distributed.buffers import build_units
 from megatron_like.distributed.memory import theoretical_state_bytes
 from megatron_like.model import GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
@@ -52,10 +55,13 @@ class RankPlan:
     host_bytes: float
     """Optimizer state in host memory (CPU offload)."""
     activations: ActivationBytes
+    zero_transient_bytes: float = 0.0
+    """ZeRO-2/3's unsharded buffers of the units in use during backward (:func:`zero_transient_bytes`)."""
 
     @property
     def device_bytes(self) -> float:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activations.total
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activations.total
+                + self.zero_transient_bytes)
 
 
 @dataclass
@@ -91,8 +97,26 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+@dataclass
+class StageParams:
+    """Parameter counts of one pipeline stage's chunks (tp rank 0), by ZeRO unit."""
+
+    total: int
+    root_unit: int
+    """The largest chunk root (embeddings, final LayerNorm, output layer): at ZeRO-3 gathered, and at
+    ZeRO-2/3 its full gradient held, through the chunk's whole forward / backward."""
+    layer_unit: int
+    """The largest transformer layer: ZeRO-2/3's unit of gradient reduction, ZeRO-3's of gathering."""
+
+
 def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> int:
     """Parameters held by tp rank 0 of pipeline stage ``pp_rank``: its chunks built on the meta device."""
+    return stage_params(config, padded_vocab_size, pp_rank).total
+
+
+def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageParams:
+    """:class:`StageParams` of tp rank 0 of pipeline stage ``pp_rank``: its chunks built on the meta device,
+    grouped into units as ``megatron_like.distributed.buffers.build_units`` does."""
     p = config.parallel
     tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
     world = config.world_size
@@ -102,7 +126,7 @@ def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> 
     with fake_world(world, rank):
         ps = ParallelState.initialize(parallel, world)
         ps.device = torch.device("meta")
-        total = 0
+        total = root_unit = layer_unit = 0
         with torch.device("meta"):
             for v in range(vp):
                 chunk = GPTModel(config.model, ps, vocab_size=padded_vocab_size, seed=0,
@@ -110,8 +134,30 @@ def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> 
                                  pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
                                  sequence_parallel=p.sequence_parallel, dtype=torch.float32)
                 total += sum(param.numel() for param in chunk.parameters())
+                for module, buckets in build_units(chunk):
+                    size = sum(param.numel() for bucket in buckets for param in bucket)
+                    if module is chunk:
+                        root_unit = max(root_unit, size)
+                    else:
+                        layer_unit = max(layer_unit, size)
     assert tp == ps.tp_size
-    return total
+    return StageParams(total, root_unit, layer_unit)
+
+
+def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -> float:
+    """Unsharded buffers ZeRO-2/3 hold during backward on top of their shards (``docs/distributed.md``).
+
+    Stage 2/3: the fp32 gradient of the chunk root (alive through the whole backward) and of one layer
+    being accumulated, plus with ``--overlap-grad-reduce`` one more whose reduction is in flight.
+    Stage 3 also gathers the root's and one layer's parameters.
+    """
+    p = config.parallel
+    if p.zero_stage < 2 or config.data_parallel_size == 1:
+        return 0.0
+    layers_in_flight = 2 if p.overlap_grad_reduce else 1
+    grads = 4.0 * (stage.root_unit + layers_in_flight * stage.layer_unit)
+    params = param_bytes * (stage.root_unit + stage.layer_unit) if p.zero_stage == 3 else 0.0
+    return grads + params
 
 
 def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.0,
@@ -125,18 +171,20 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     p, m = config.parallel, config.model
     pp, dp = p.pipeline_model_parallel_size, config.data_parallel_size
     roles = sorted({0, min(1, pp - 1), pp - 1})
-    counts = {r: count_stage_params(config, padded_vocab_size, r) for r in roles}
+    counts = {r: stage_params(config, padded_vocab_size, r) for r in roles}
     param_bytes = PARAM_BYTES[config.params_dtype_name]
     separate_master = param_bytes != 4 or p.optimizer_cpu_offload
     ranks = []
     for pp_rank in range(pp):
-        params = counts[pp_rank if pp_rank in counts else min(1, pp - 1)]
+        stage = counts[pp_rank if pp_rank in counts else min(1, pp - 1)]
+        params = stage.total
         state = theoretical_state_bytes(params, dp, p.zero_stage, param_bytes, separate_master)
         offloaded = p.optimizer_cpu_offload
         ranks.append(RankPlan(
             pp_rank=pp_rank, params=params, weight_bytes=state.params, grad_bytes=state.grads,
             optimizer_bytes=0 if offloaded else state.optimizer, host_bytes=state.optimizer if offloaded else 0,
             activations=activation_bytes(config, pp_rank, padded_vocab_size, device),
+            zero_transient_bytes=zero_transient_bytes(config, stage, param_bytes),
         ))
     single = copy.deepcopy(config)
     single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
@@ -169,19 +217,19 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
         f" > model parameters: {plan.total_params / 1e9:.3f} B",
         "",
         f"{'pp rank':>7} | {'params (M)':>10} | {'weights':>8} | {'grads':>8} | {'optimizer':>9} | "
-        f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'total GiB':>9}",
-        "-" * 106,
+        f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'zero tmp':>8} | {'total GiB':>9}",
+        "-" * 117,
     ]
     for r in plan.ranks:
         a = r.activations
         lines.append(
             f"{r.pp_rank:>7} | {r.params / 1e6:>10.1f} | {r.weight_bytes / GIB:>8.2f} | {r.grad_bytes / GIB:>8.2f} | "
             f"{r.optimizer_bytes / GIB:>9.2f} | {a.per_layer / GIB:>9.3f} | {a.layers_alive:>12.1f} | "
-            f"{a.total / GIB:>11.2f} | {r.device_bytes / GIB:>9.2f}"
+            f"{a.total / GIB:>11.2f} | {r.zero_transient_bytes / GIB:>8.2f} | {r.device_bytes / GIB:>9.2f}"
         )
     host = max(r.host_bytes for r in plan.ranks)
     lines += [
-        "-" * 106,
+        "-" * 117,
         "(every tp and dp rank of a pipeline stage holds the same; GiB per device)",
         f" > FLOPs per iteration: {plan.flops_per_iteration:.3e} | pipeline bubble: {plan.bubble:.1%} | "
         f"estimated iteration time: {plan.iteration_seconds:.2f} s | estimated throughput: "

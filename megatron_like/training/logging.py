@@ -11,9 +11,11 @@ tags follow Megatron's names so existing dashboards keep working::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,6 +31,52 @@ def max_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class CPUStepMemory:
+    """Peak bytes of live CPU tensors during the training steps it watches (the CPU log figure).
+
+    The resident set is no measure of what training holds: glibc keeps freed memory mapped and grows its
+    mmap threshold, so it read higher at ZeRO-3 than at ZeRO-2. Instead, during a watched step the
+    profiler's allocation log (every allocation and free of torch's CPU allocator, signed bytes in order)
+    is kept, and the step's peak is ``persistent + max over the log of the running sum``, where
+    ``persistent`` is what the run holds between steps: parameter and gradient buffers, optimizer state
+    and module buffers. Tensors allocated before the step and freed during it (the previous step's batch)
+    are not in the log: their frees are not subtracted, which errs high by a batch at most; torch may
+    print once that such a free was not recorded.
+
+    Only the steps that get a log line are watched: the profiler costs time while it runs
+    (``docs/training.md`` gives the figure). It uses torch's legacy profiler, which records on this thread
+    and prints nothing; backward on CPU runs on this thread too.
+    """
+
+    def __init__(self) -> None:
+        self.max_bytes = 0
+
+    @contextlib.contextmanager
+    def watch(self, model: list[torch.nn.Module], optimizer: Any) -> Iterator[None]:
+        """Record the allocations of the block (one training step) and fold its peak into ``max_bytes``."""
+        from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
+        from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        from megatron_like.distributed.memory import measured_state_bytes
+
+        persistent = measured_state_bytes(optimizer.data_parallel, optimizer).total
+        persistent += sum(b.untyped_storage().nbytes() for chunk in model for b in chunk.buffers())
+        # (state, report_input_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
+        _enable_profiler_legacy(ProfilerConfig(ProfilerState.CPU, False, True, False, False, False,
+                                               _ExperimentalConfig()))
+        try:
+            yield
+        finally:
+            events = _disable_profiler_legacy()
+        allocations = sorted((e.start_us(), e.cpu_memory_usage()) for thread in events for e in thread
+                             if e.kind() == "memory_alloc")
+        alive = peak = 0
+        for _, nbytes in allocations:
+            alive += nbytes
+            peak = max(peak, alive)
+        self.max_bytes = max(self.max_bytes, persistent + peak)
 
 
 def perplexity(loss: float) -> float:
@@ -52,6 +100,8 @@ class TrainingLogger:
     def __init__(self, config: Config, ps: ParallelState) -> None:
         self.config, self.ps = config, ps
         self.reporting = ps.rank == ps.world_size - 1
+        # CPU runs report the peak of live tensors (see CPUStepMemory); CUDA runs the allocator's peak.
+        self.cpu_memory = CPUStepMemory() if ps.device.type == "cpu" and config.logging.log_memory else None
         self.writer: Any = None
         self.wandb: Any = None
         log = config.logging
@@ -70,6 +120,15 @@ class TrainingLogger:
             self.wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name, config=config.to_dict(),
                                     dir=log.tensorboard_dir)
 
+    def watch_step(self, iteration: int, model: list[torch.nn.Module],
+                   optimizer: Any) -> contextlib.AbstractContextManager:
+        """Wrap training step ``iteration``: on CPU, the reporting rank measures the steps it logs."""
+        if self.cpu_memory is None or not self.reporting or iteration % self.config.logging.log_interval:
+            return contextlib.nullcontext()
+        if torch._C._autograd._profiler_enabled():  # the user's profiler is running: leave it alone
+            return contextlib.nullcontext()
+        return self.cpu_memory.watch(model, optimizer)
+
     def _scalars(self, iteration: int, values: dict[str, float]) -> None:
         values = {k: v for k, v in values.items() if v is not None and math.isfinite(v)}
         if self.writer is not None:
@@ -82,9 +141,14 @@ class TrainingLogger:
                  tflops_per_device: float, learning_rate: float, losses: dict[str, float], loss_scale: float,
                  grad_norm: float | None, skipped_iterations: int, nan_iterations: int) -> None:
         """Print the Megatron line of ``iteration`` (with the peak memory) and record its scalars."""
-        memory = max_memory_gib(self.ps.device) if self.config.logging.log_memory else None
         if not self.reporting:
             return
+        memory = None
+        if self.cpu_memory is not None:
+            if self.cpu_memory.max_bytes:  # 0 when no step could be watched
+                memory, memory_label = self.cpu_memory.max_bytes / 2**30, "max live tensors (GiB)"
+        elif self.config.logging.log_memory:
+            memory, memory_label = max_memory_gib(self.ps.device), "max memory (GiB)"
         line = format_log_line(
             iteration=iteration, train_iters=self.config.training.train_iters, consumed_samples=consumed_samples,
             elapsed_ms=elapsed_ms, tokens_per_second=tokens_per_second, tflops_per_device=tflops_per_device,
@@ -93,7 +157,7 @@ class TrainingLogger:
             nan_iterations=nan_iterations,
         )
         if memory is not None:
-            line += f" max memory (GiB): {memory:.3f} |"
+            line += f" {memory_label}: {memory:.3f} |"
         print(line, flush=True)
         scalars = {name: value for name, value in losses.items()}
         scalars.update({"learning-rate": learning_rate, "grad-norm": grad_norm, "loss-scale": loss_scale,

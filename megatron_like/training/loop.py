@@ -256,7 +256,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     for chunk in model:
         chunk.train()
     while iteration < t.train_iters:
-        step = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
+        with logger.watch_step(iteration + 1, model, optimizer):  # measures memory on CPU (logging.py)
+            step = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
         losses, grad_norm = step.losses, step.grad_norm
         got_nan = any(not math.isfinite(v) for v in losses.values())
         result.loss_scales.append(step.loss_scale)

@@ -169,3 +169,23 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
         layer(x)
     measured = sum(saved.values())
     assert layer_activation_bytes(config, None, "cpu") == pytest.approx(measured, rel=0.02)
+
+
+def test_cpu_log_line_reports_the_peak_of_live_tensors(capsys):
+    """On CPU the log's memory figure is the peak of live tensors in a step (not the resident set, which
+    glibc inflates): within 10% of the plan, itself checked against the profiler's allocation log above."""
+    import re
+
+    import pretrain_gpt
+    from megatron_like.training import pretrain
+
+    flags = SMALL + ["--train-iters", "3"]
+    config = parse_config(flags, world_size=1)
+    vocab = config.padded_vocab_size(1024)
+    pretrain(config, functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab),
+             pretrain_gpt.forward_step, pretrain_gpt.datasets_provider, padded_vocab_size=vocab)
+    logged = [float(x) * GIB for x in re.findall(r"max live tensors \(GiB\): ([0-9.]+) \|", capsys.readouterr().out)]
+    assert len(logged) == 3
+    planned = plan_run(config, vocab, device="cpu").max_device_bytes
+    assert abs(logged[-1] - planned) / planned < 0.10, f"logged {logged[-1] / 2**20:.1f} MiB, " \
+                                                       f"planned {planned / 2**20:.1f} MiB"
