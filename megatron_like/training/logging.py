@@ -46,8 +46,8 @@ class CPUStepMemory:
     print once that such a free was not recorded.
 
     Only some of the steps that get a log line are watched (``TrainingLogger.watch_step``): the profiler
-    costs time while it runs (``docs/training.md`` gives the figure). It uses torch's legacy profiler, which records on this thread
-    and prints nothing; backward on CPU runs on this thread too.
+    costs time while it runs (``docs/training.md`` gives the figure). It uses torch's legacy profiler, which
+    records on this thread and prints nothing; backward on CPU runs on this thread too.
     """
 
     def __init__(self) -> None:
