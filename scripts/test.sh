@@ -8,6 +8,6 @@ source scripts/isa_env.sh
 bash scripts/setup.sh
 .venv/bin/ruff check .
 # A forced path this CPU lacks stops here with a one-line error; otherwise print the paths taken.
-.venv/bin/python -m megatron_like.kernels._loader
+.venv/bin/python -m megatron_like.kernels
 # One thread per process: the distributed tests start up to 4 processes on a 2-core machine.
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -q "$@"

@@ -132,13 +132,3 @@ KERNEL_MODULES = (
 )
 """The extension modules the wrappers in this package use."""
 
-
-if __name__ == "__main__":  # `python -m megatron_like.kernels._loader`: the paths this process would take
-    import sys
-
-    import torch
-
-    try:
-        print(f"kernel path: {csrc_isa()}, PyTorch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
-    except (RuntimeError, ValueError) as error:
-        sys.exit(f"error: {error}")
