@@ -60,19 +60,10 @@ inline Isa parse_isa(const std::string& name) {
   throw std::invalid_argument("unknown ISA '" + name + "' (expected avx512, avx2 or scalar)");
 }
 
-// The ISA kernels dispatch to. Starts at the best supported one, capped by MEGATRON_LIKE_CSRC_ISA
-// so tests and benchmarks can exercise the narrower paths on a wide machine.
+// The ISA kernels dispatch to: the best supported one until set_isa pins another. The Python loader
+// (megatron_like/kernels/_loader.py) pins every module to MEGATRON_LIKE_ISA when it imports it.
 inline Isa& active_isa() {
-  static Isa isa = [] {
-    Isa best = detect_isa();
-    if (const char* env = std::getenv("MEGATRON_LIKE_CSRC_ISA")) {
-      if (*env) {
-        Isa want = parse_isa(env);
-        if (static_cast<int>(want) < static_cast<int>(best)) best = want;
-      }
-    }
-    return best;
-  }();
+  static Isa isa = detect_isa();
   return isa;
 }
 

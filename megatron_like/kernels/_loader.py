@@ -3,6 +3,10 @@
 Each ``csrc/<name>.cpp`` is built (at install) into the module ``megatron_like._csrc.<name>``. Wrappers
 ask :func:`load` for it on every call, so ``MEGATRON_LIKE_NO_CSRC=1`` (read at call time, which lets
 tests flip it with ``monkeypatch.setenv``) forces the pure-PyTorch fallbacks at any moment.
+
+``MEGATRON_LIKE_ISA=avx512|avx2|scalar`` forces the vector path of every kernel module: :func:`load`
+pins each module to it when it first imports it (an error if the CPU lacks that path). This is the one
+place the variable is read; ``scripts/isa_env.sh`` maps it to PyTorch's own switches (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,13 @@ from types import ModuleType
 
 NO_CSRC_ENV = "MEGATRON_LIKE_NO_CSRC"
 """Set to 1 to force the pure-PyTorch fallbacks even when the compiled kernels are installed."""
+
+ISA_ENV = "MEGATRON_LIKE_ISA"
+"""Set to avx512, avx2 or scalar to force that kernel path (default: the widest the CPU has)."""
+ISA_ENV_ALIAS = "MEGATRON_LIKE_CSRC_ISA"
+"""The older name of ``MEGATRON_LIKE_ISA``, still honoured."""
+ISAS = ("scalar", "avx2", "avx512")
+"""The kernel paths, narrowest first."""
 
 _cache: dict[str, ModuleType | None] = {}
 _warned = False
@@ -39,16 +50,52 @@ def _warn_missing(name: str, error: Exception) -> None:
     )
 
 
+def forced_isa() -> str | None:
+    """Return the path ``MEGATRON_LIKE_ISA`` (or its alias) forces, None when unset; ValueError if invalid."""
+    values = {var: os.environ.get(var, "").strip().lower() for var in (ISA_ENV, ISA_ENV_ALIAS)}
+    values = {var: value for var, value in values.items() if value}
+    for var, value in values.items():
+        if value not in ISAS:
+            raise ValueError(f"{var}={value!r} is not a kernel path: set it to avx512, avx2 or scalar, or unset it")
+    if len(set(values.values())) > 1:
+        raise ValueError(f"{ISA_ENV}={values[ISA_ENV]} and {ISA_ENV_ALIAS}={values[ISA_ENV_ALIAS]} disagree: "
+                         f"set only {ISA_ENV}")
+    return next(iter(values.values()), None)
+
+
+def check_isa_supported(isa: str, best: str) -> None:
+    """Raise a one-line RuntimeError when the forced path ``isa`` is wider than ``best``, the CPU's widest."""
+    if ISAS.index(isa) > ISAS.index(best):
+        raise RuntimeError(f"{ISA_ENV}={isa} asks for the {isa} kernels, but this CPU's widest path is {best}: "
+                           f"unset {ISA_ENV} or set it to one of {', '.join(ISAS[:ISAS.index(best) + 1])}")
+
+
+def default_isa(module: ModuleType) -> str:
+    """The path ``module`` runs unless pinned: the forced one if set (checked against the CPU), else the widest."""
+    best = module.best_isa()
+    isa = forced_isa()
+    if isa is None:
+        return best
+    check_isa_supported(isa, best)
+    return isa
+
+
 def load(name: str) -> ModuleType | None:
-    """Return the compiled module ``megatron_like._csrc.<name>``, or None (fallback) if disabled/missing."""
+    """Return the compiled module ``megatron_like._csrc.<name>``, or None (fallback) if disabled/missing.
+
+    On first import the module is pinned to :func:`default_isa` (``MEGATRON_LIKE_ISA`` or the CPU's widest).
+    """
     if csrc_disabled():
         return None
     if name not in _cache:
         try:
-            _cache[name] = importlib.import_module(f"megatron_like._csrc.{name}")
+            module = importlib.import_module(f"megatron_like._csrc.{name}")
         except ImportError as error:
             _cache[name] = None
             _warn_missing(name, error)
+        else:
+            module.set_isa(default_isa(module))
+            _cache[name] = module
     return _cache[name]
 
 
@@ -65,14 +112,14 @@ def csrc_isa() -> str | None:
 
 
 def set_csrc_isa(name: str | None) -> None:
-    """Pin every kernel module to the "avx512", "avx2" or "scalar" path (None: the CPU's best).
+    """Pin every kernel module to the "avx512", "avx2" or "scalar" path (None: back to :func:`default_isa`).
 
     For tests and benchmarks of the narrower paths; raises ValueError if the CPU lacks that ISA.
     """
     for module_name in KERNEL_MODULES:
         module = load(module_name)
         if module is not None:
-            module.set_isa(module.best_isa() if name is None else name)
+            module.set_isa(default_isa(module) if name is None else name)
 
 
 KERNEL_MODULES = (
@@ -84,3 +131,4 @@ KERNEL_MODULES = (
     "cpu_adam",
 )
 """The extension modules the wrappers in this package use."""
+

@@ -60,10 +60,12 @@ def _collect_parameters(model: list[torch.nn.Module], ps: ParallelState, out: di
             out[global_name(chunk, name)] = tensor.to(torch.float32, copy=True)
 
 
-def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callable | None = None) -> dict:
+def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callable | None = None,
+              on_chunk: Callable[[torch.nn.Module, ParallelState], None] | None = None) -> dict:
     """Run pretrain() with ``BASE_FLAGS + flags``; return this rank's losses and full parameters.
 
-    ``forward_step`` replaces ``pretrain_gpt.forward_step`` (e.g. to inject a fault).
+    ``forward_step`` replaces ``pretrain_gpt.forward_step`` (e.g. to inject a fault); ``on_chunk(chunk, ps)``
+    runs on each model chunk as soon as it is built (e.g. to attach hooks).
     """
     import pretrain_gpt
     from megatron_like.training import pretrain
@@ -72,6 +74,8 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
     ps = ParallelState.initialize(config.parallel, world_size)
     vocab = config.padded_vocab_size(config.model.vocab_size)
     provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
+    if on_chunk is not None:
+        provider = _with_chunk_hook(provider, on_chunk)
     result = pretrain(config, provider, forward_step or pretrain_gpt.forward_step, pretrain_gpt.datasets_provider,
                       ps=ps, padded_vocab_size=vocab)
     return {
@@ -83,6 +87,15 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "skipped_iterations": result.skipped_iterations,
         "nan_iterations": result.nan_iterations,
     }
+
+
+def _with_chunk_hook(provider: Callable, on_chunk: Callable) -> Callable:
+    def build(config, ps: ParallelState, **kwargs) -> torch.nn.Module:
+        chunk = provider(config, ps, **kwargs)
+        on_chunk(chunk, ps)
+        return chunk
+
+    return build
 
 
 def train_gpt_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> list[dict]:
