@@ -1,8 +1,8 @@
 """The Llama-family architecture flags on one process: the model equals Hugging Face's LlamaForCausalLM.
 
 Our weights map onto transformers' by layout alone (QKV grouped per key/value head, fc1 as (gate, up)
-pairs; the mapping is megatron_like/inference/hf_llama.py's), so equal logits prove rotary positions, RMSNorm, SwiGLU and
-grouped-query attention mean what Llama means. Generation with the KV cache (rotary offsets, a cache sized
+pairs; the mapping is megatron_like/inference/hf_llama.py's), so equal logits prove rotary positions, RMSNorm,
+SwiGLU and grouped-query attention mean what Llama means. Generation with the KV cache (rotary offsets, a cache sized
 by query groups) must equal the full forward.
 """
 
