@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_like.config import Config, DataConfig  # noqa: E402
+from megatron_like.config import Config, DataConfig, ModelConfig  # noqa: E402
 from megatron_like.inference import hf_gpt2, hf_llama  # noqa: E402
 from megatron_like.model.state import TRACKER_FILE, load_full_state, shard_full_state  # noqa: E402
 
@@ -83,7 +83,7 @@ def to_hf(args: argparse.Namespace) -> None:
           f"to {args.save}")
 
 
-def is_llama_style(model) -> bool:
+def is_llama_style(model: ModelConfig) -> bool:
     """Any modern-decoder flag routes to the Llama converter (which names whatever else is missing)."""
     return model.position_embedding_type == "rope" or model.normalization == "RMSNorm" or model.swiglu
 
