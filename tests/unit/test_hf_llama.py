@@ -110,6 +110,10 @@ def test_qwen2_bias_and_mistral_convert_both_ways(family):
         assert torch.equal(back[name], tensor), name
     config = hf_llama.hf_config(ours.config, VOCAB)
     assert config["model_type"] == ("qwen2" if family == "qwen2" else "llama")
+    rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
+    rebuilt.load_state_dict(back, strict=True)  # to-hf's config and tensors make a working HF model
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
 
 
 def test_each_converter_refuses_the_other_family():
