@@ -2,11 +2,13 @@
 
     python benchmarks/generate.py                      # GPT 6L/512/8 heads, GPT-2 vocabulary
     python benchmarks/generate.py --batch-sizes 1 8 --new-tokens 128 --threads 2
+    python benchmarks/generate.py --llama --batch-sizes 8   # Llama style vs LlamaForCausalLM
 
 One process, fp32, the model built once with random weights and converted to a ``GPT2LMHeadModel``
-with ``megatron_like.inference.hf_gpt2`` (so both run identical weights); both generate greedily with
-their KV cache for exactly ``--new-tokens`` tokens after a ``--prompt-length`` prompt. Each side runs
-``--repeats`` times after a short warm-up, rotating which side goes first; the best time counts (the
+with ``megatron_like.inference.hf_gpt2`` (``--llama``: a Llama-style model, 2 query groups, ffn 1408,
+vocabulary 32000, converted to a ``LlamaForCausalLM`` with ``hf_llama``; so both run identical weights); both
+generate greedily with their KV cache for exactly ``--new-tokens`` tokens after a ``--prompt-length`` prompt.
+Each side runs ``--repeats`` times after a short warm-up, rotating which side goes first; the best time counts (the
 machine is shared: the best run is the one least disturbed). "ours" multiplies by weights prepacked for
 the batch's row count (``megatron_like.inference.packed_linear``, as tools/generate.py and the server
 do); "ours, F.linear" is the same generation without it. Prints a table with tokens/s and the ratio
@@ -26,24 +28,32 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_like.config import ModelConfig  # noqa: E402
-from megatron_like.inference import GenerationParams, generate  # noqa: E402
-from megatron_like.inference.hf_gpt2 import hf_config, to_hf_state  # noqa: E402
+from megatron_like.inference import GenerationParams, generate, hf_gpt2, hf_llama  # noqa: E402
 from megatron_like.inference.packed_linear import pack_linears, unpack_linears  # noqa: E402
 from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.model.state import gather_full_state  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, ffn_hidden_size=1408,
+             group_query_attention=True, num_query_groups=2, disable_bias_linear=True,
+             untie_embeddings_and_output_weights=True)
 
-def build_models(layers: int, hidden: int, heads: int, vocab: int, positions: int):
-    """(our model, the HF GPT2LMHeadModel holding the same weights)."""
+
+def build_models(layers: int, hidden: int, heads: int, vocab: int, positions: int, llama: bool = False):
+    """(our model, the HF GPT2LMHeadModel or LlamaForCausalLM holding the same weights)."""
     import transformers
 
     config = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=positions,
-                         hidden_dropout=0.0, attention_dropout=0.0, vocab_size=vocab)
+                         hidden_dropout=0.0, attention_dropout=0.0, vocab_size=vocab, **(LLAMA if llama else {}))
+    config.validate()
     padded = -(-vocab // 128) * 128
     ours = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=padded, seed=1).eval()
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**hf_config(config, vocab))).eval()
-    missing, unexpected = hf.load_state_dict(to_hf_state(gather_full_state([ours]), config, vocab), strict=False)
+    family = hf_llama if llama else hf_gpt2
+    config_cls, model_cls = ("LlamaConfig", "LlamaForCausalLM") if llama else ("GPT2Config", "GPT2LMHeadModel")
+    hf_cfg = getattr(transformers, config_cls)(**family.hf_config(config, vocab))
+    hf = getattr(transformers, model_cls)(hf_cfg).eval()
+    state = family.to_hf_state(gather_full_state([ours]), config, vocab)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
     return ours, hf
@@ -69,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-layers", type=int, default=6)
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--vocab-size", type=int, default=50257)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default 50257 (GPT-2), 32000 (--llama)")
+    parser.add_argument("--llama", action="store_true", help="Llama-style model vs LlamaForCausalLM")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -78,18 +89,21 @@ def main(argv: list[str] | None = None) -> None:
                              "than free cores make OpenMP spin and both sides' times meaningless")
     parser.add_argument("--repeats", type=int, default=3, help="Rotating runs per side; the best counts.")
     args = parser.parse_args(argv)
+    args.vocab_size = args.vocab_size or (32000 if args.llama else 50257)
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
 
     positions = max(1024, args.prompt_length + args.new_tokens)
-    ours, hf = build_models(args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size, positions)
+    ours, hf = build_models(args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size, positions,
+                            args.llama)
     gen = torch.Generator().manual_seed(0)
     warm = torch.randint(0, args.vocab_size, (1, args.prompt_length), generator=gen)
     run_ours(ours, warm, 4, args.vocab_size)
     run_hf(hf, warm, 4)
 
-    print(f"# greedy generation, GPT {args.num_layers}L/{args.hidden_size}h/{args.num_attention_heads} heads, "
+    family = "Llama-style (2 groups, ffn 1408)" if args.llama else "GPT"
+    print(f"# greedy generation, {family} {args.num_layers}L/{args.hidden_size}h/{args.num_attention_heads} heads, "
           f"vocabulary {args.vocab_size}, prompt {args.prompt_length} + {args.new_tokens} new tokens, fp32")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "

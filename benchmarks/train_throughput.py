@@ -1,11 +1,13 @@
-"""Training throughput of our GPT (tp=1) versus Hugging Face ``GPT2LMHeadModel``, in one run.
+"""Training throughput of our GPT (tp=1) versus Hugging Face ``GPT2LMHeadModel`` (or, with ``--llama``, our
+Llama-style model versus ``LlamaForCausalLM``), in one run.
 
-Same sizes (default: 6 layers, hidden 512, 8 heads, seq 256, micro batch 8, vocab 50304, fp32), same
+Same sizes (default: 6 layers, hidden 512, 8 heads, seq 256, micro batch 8, vocab 50304, fp32; ``--llama``:
+rope, RMSNorm, SwiGLU with ffn 1408, 2 query groups, no biases, untied output layer, vocab 32000), same
 random tokens, same optimizer (torch AdamW, fused), dropout off in both. Trials alternate between the two
 models so a slow period of the machine hits both. MFU is model FLOPs per second (``6 N + 12 L h s`` per
 token, LM head included) over the fp32 matmul rate measured in the same run.
 
-    .venv/bin/python benchmarks/train_throughput.py [--torch-compile]
+    .venv/bin/python benchmarks/train_throughput.py [--torch-compile] [--llama]
 """
 
 from __future__ import annotations
@@ -34,10 +36,22 @@ def measure_matmul_rate(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def build_ours(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """Our ModelConfig of the benchmark's shapes (GPT-2 style, or Llama style with ``--llama``)."""
     config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                          seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, ParallelState.single_process(), vocab_size=args.vocab, seed=1234)
+    if args.llama:
+        config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                             seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+                             position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                             ffn_hidden_size=args.ffn, group_query_attention=True, num_query_groups=args.groups,
+                             disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+    config.validate()
+    return config
+
+
+def build_ours(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
+    model = GPTModel(model_config(args), ParallelState.single_process(), vocab_size=args.vocab, seed=1234)
     positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, args.seq)
 
     def loss_fn(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -47,12 +61,18 @@ def build_ours(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
 
 
 def build_hf(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
-                        n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config, attn_implementation="sdpa") if _accepts_attn(GPT2LMHeadModel) else \
-        GPT2LMHeadModel(config)
+    if args.llama:
+        cls, config = LlamaForCausalLM, LlamaConfig(
+            vocab_size=args.vocab, max_position_embeddings=args.seq, hidden_size=args.hidden,
+            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.groups,
+            intermediate_size=args.ffn, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    else:
+        cls, config = GPT2LMHeadModel, GPT2Config(
+            vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden, n_layer=args.layers,
+            n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = cls(config, attn_implementation="sdpa") if _accepts_attn(cls) else cls(config)
 
     def loss_fn(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         # HF shifts the labels itself: feed the same seq tokens as ours and let it predict the next ones.
@@ -92,15 +112,20 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--vocab", type=int, default=None, help="default 50304 (GPT), 32000 (--llama)")
+    parser.add_argument("--llama", action="store_true", help="Llama-style model vs LlamaForCausalLM")
+    parser.add_argument("--groups", type=int, default=2, help="query groups (--llama)")
+    parser.add_argument("--ffn", type=int, default=1408, help="SwiGLU ffn hidden size (--llama)")
     parser.add_argument("--trials", type=int, default=4, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile both models")
     args = parser.parse_args()
+    args.vocab = args.vocab or (32000 if args.llama else 50304)
+    hf_name = "HF LlamaForCausalLM" if args.llama else "HF GPT2LMHeadModel"
 
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1))
-    models = {"megatron_like": build_ours(args), "HF GPT2LMHeadModel": build_hf(args)}
+    models = {"megatron_like": build_ours(args), hf_name: build_hf(args)}
     steps = {name: make_step(m, fn, args.torch_compile) for name, (m, fn) in models.items()}
     for step in steps.values():
         for _ in range(args.warmup):
@@ -113,13 +138,12 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     matmul_rate = measure_matmul_rate()
 
-    cfg = Config(model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
-                                   num_attention_heads=args.heads, seq_length=args.seq))
-    flops = flops_per_token(cfg, args.vocab)
+    flops = flops_per_token(Config(model=model_config(args)), args.vocab)
     tokens_per_step = args.micro_batch * args.seq
-    hf_rate = tokens_per_step / statistics.median(times["HF GPT2LMHeadModel"])
+    hf_rate = tokens_per_step / statistics.median(times[hf_name])
     mode = "torch.compile" if args.torch_compile else "eager"
-    print(f"# training step, {args.layers}L h{args.hidden} {args.heads} heads seq {args.seq} micro batch "
+    shape = f" {args.groups} groups ffn {args.ffn} (Llama style)" if args.llama else ""
+    print(f"# training step, {args.layers}L h{args.hidden} {args.heads} heads{shape} seq {args.seq} micro batch "
           f"{args.micro_batch} vocab {args.vocab}, fp32 {mode}, {torch.get_num_threads()} threads")
     print(f"# measured fp32 matmul rate: {matmul_rate / 1e9:.1f} GFLOP/s")
     print("| model | ms/step (median) | tokens/s | GFLOP/s | MFU vs matmul | speed vs HF |")

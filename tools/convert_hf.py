@@ -1,8 +1,13 @@
-"""Convert between our checkpoints (any tp/pp layout) and Hugging Face ``GPT2LMHeadModel`` directories.
+"""Convert between our checkpoints (any tp/pp layout) and Hugging Face ``GPT2LMHeadModel``,
+``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` directories.
 
     python tools/convert_hf.py to-hf --load checkpoints/gpt --save hf/gpt
-    python tools/convert_hf.py from-hf --load hf/gpt --save checkpoints/gpt-tp2pp2 \\
+    python tools/convert_hf.py from-hf --load hf/llama --save checkpoints/llama-tp2pp2 \\
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+The family follows the model: a GPT-2-style checkpoint (learned positions, LayerNorm, GELU, biases) becomes a
+``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
+``Qwen2ForCausalLM`` with ``--add-qkv-bias``. ``from-hf`` reads ``model_type`` (gpt2, llama, mistral, qwen2).
 
 ``to-hf`` merges every ``mp_rank_TT_PPP`` shard, trims the padded vocabulary to the real one (the
 tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``, ``model.safetensors``
@@ -24,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megatron_like.config import Config, DataConfig  # noqa: E402
-from megatron_like.inference import hf_gpt2  # noqa: E402
+from megatron_like.config import Config, DataConfig, ModelConfig  # noqa: E402
+from megatron_like.inference import hf_gpt2, hf_llama  # noqa: E402
 from megatron_like.model.state import TRACKER_FILE, load_full_state, shard_full_state  # noqa: E402
 
 
@@ -70,18 +75,26 @@ def to_hf(args: argparse.Namespace) -> None:
     config, full = load_full_state(args.load, args.iteration)
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab, eod = real_vocab(config, rows, args.vocab_size)
-    hf_state = hf_gpt2.to_hf_state(full, config.model, vocab)
-    files = tokenizer_files(config.data)
-    hf_gpt2.save_hf_dir(args.save, hf_state, hf_gpt2.hf_config(config.model, vocab, eod), files)
-    print(f"wrote a GPT2LMHeadModel ({config.model.num_layers} layers, vocabulary {vocab}) to {args.save}")
+    family = hf_llama if is_llama_style(config.model) else hf_gpt2
+    hf_config = family.hf_config(config.model, vocab, eod)
+    hf_state = family.to_hf_state(full, config.model, vocab)
+    hf_gpt2.save_hf_dir(args.save, hf_state, hf_config, tokenizer_files(config.data))
+    print(f"wrote a {hf_config['architectures'][0]} ({config.model.num_layers} layers, vocabulary {vocab}) "
+          f"to {args.save}")
+
+
+def is_llama_style(model: ModelConfig) -> bool:
+    """Any modern-decoder flag routes to the Llama converter (which names whatever else is missing)."""
+    return model.position_embedding_type == "rope" or model.normalization == "RMSNorm" or model.swiglu
 
 
 def from_hf(args: argparse.Namespace) -> None:
     from megatron_like.training.checkpointing import rng_state
 
-    hf_config, hf_state = hf_gpt2.load_hf_dir(args.load)
+    hf_config, hf_state = hf_gpt2.read_hf_dir(args.load)
+    family = hf_llama if hf_config.get("model_type") in hf_llama.FAMILIES else hf_gpt2
     config = Config()
-    config.model = hf_gpt2.model_config_from_hf(hf_config)
+    config.model = family.model_config_from_hf(hf_config)
     p = config.parallel
     p.tensor_model_parallel_size = args.tensor_model_parallel_size
     p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
@@ -104,7 +117,7 @@ def from_hf(args: argparse.Namespace) -> None:
         config.data.tokenizer_model = os.path.join(tokenizer_dir, "tokenizer.json")
     config.validate()
     padded = config.padded_vocab_size(config.model.vocab_size)
-    full = hf_gpt2.from_hf_state(hf_state, config.model, padded)
+    full = family.from_hf_state(hf_state, config.model, padded)
     it_dir = os.path.join(args.save, "iter_0000000")
     for pp_rank in range(p.pipeline_model_parallel_size):
         for tp_rank in range(p.tensor_model_parallel_size):
@@ -123,13 +136,13 @@ def from_hf(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT2LMHeadModel directory")
+    a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 directory")
     a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp layout).")
     a.add_argument("--save", required=True, help="Output Hugging Face directory.")
     a.add_argument("--iteration", type=int, help="Iteration to convert (default: the latest).")
     a.add_argument("--vocab-size", type=int, help="Real vocabulary size (default: the tokenizer's or config's).")
-    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 directory -> our checkpoint")
-    b.add_argument("--load", required=True, help="Hugging Face GPT-2 directory (config.json + weights).")
+    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory -> our checkpoint")
+    b.add_argument("--load", required=True, help="Hugging Face model directory (config.json + weights).")
     b.add_argument("--save", required=True, help="Output checkpoint directory.")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -34,8 +34,20 @@ def _qkv_hf_to_ours(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(w.shape[0], *rest)
 
 
+def check_gpt2_style(model: ModelConfig) -> None:
+    """Raise a one-line ValueError unless ``model`` is a GPT-2 architecture (learned positions, LayerNorm,
+    GELU, biases, one key/value head per query head)."""
+    wanted = [("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm"), ("swiglu", False),
+              ("linear_bias", True), ("query_groups", model.num_attention_heads)]
+    for field, value in wanted:
+        if getattr(model, field) != value:
+            raise ValueError(f"this checkpoint has {field}={getattr(model, field)!r}, not GPT-2's {value!r} "
+                             "(Llama-style checkpoints convert to LlamaForCausalLM / Qwen2ForCausalLM)")
+
+
 def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> dict:
     """The ``config.json`` of a GPT2LMHeadModel shaped like ``model`` with ``vocab_size`` real tokens."""
+    check_gpt2_style(model)
     eos = eod if eod is not None else vocab_size - 1
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -62,6 +74,9 @@ def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> di
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
     """Our ModelConfig of a GPT-2 ``config.json`` (refuses variants we do not implement)."""
+    if cfg.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"model_type {cfg['model_type']!r} is not GPT-2 (Llama-family models have their own "
+                         "converter: megatron_like/inference/hf_llama.py)")
     if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"activation {cfg['activation_function']!r} is not GELU-tanh: not convertible")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
@@ -97,6 +112,7 @@ _TOP_MAP = {
 
 def to_hf_state(full: dict[str, torch.Tensor], model: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """HF GPT2LMHeadModel tensors (``transformer.*``, ``lm_head.weight`` when untied) of our full state."""
+    check_gpt2_style(model)
     heads = model.num_attention_heads
     out: dict[str, torch.Tensor] = {}
     for name, tensor in full.items():
@@ -175,15 +191,22 @@ def save_hf_dir(path: str, hf_state: dict[str, torch.Tensor], config: dict,
         eos = "<|endoftext|>"
         with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos, "unk_token": eos,
-                       "model_max_length": config["n_positions"]}, f, indent=2)
+                       "model_max_length": config.get("n_positions", config.get("max_position_embeddings"))},
+                      f, indent=2)
 
 
 def load_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, tensors) of a Hugging Face GPT-2 directory (safetensors, sharded or not, or .bin)."""
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
+    config, tensors = read_hf_dir(path)
     if config.get("model_type", "gpt2") != "gpt2":
         raise ValueError(f"{path} holds a {config.get('model_type')!r} model, not GPT-2")
+    return config, tensors
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, tensors) of any Hugging Face model directory (safetensors, sharded or not, or .bin)."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
     single = os.path.join(path, "model.safetensors")
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(single) or os.path.exists(index):

@@ -1,8 +1,8 @@
 """The Llama-family architecture flags on one process: the model equals Hugging Face's LlamaForCausalLM.
 
 Our weights map onto transformers' by layout alone (QKV grouped per key/value head, fc1 as (gate, up)
-pairs; see megatron_like/model/transformer.py), so equal logits prove rotary positions, RMSNorm, SwiGLU and
-grouped-query attention mean what Llama means. Generation with the KV cache (rotary offsets, a cache sized
+pairs; the mapping is megatron_like/inference/hf_llama.py's), so equal logits prove rotary positions, RMSNorm,
+SwiGLU and grouped-query attention mean what Llama means. Generation with the KV cache (rotary offsets, a cache sized
 by query groups) must equal the full forward.
 """
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_like.config import ConfigError, ModelConfig, parse_config
+from megatron_like.inference import hf_llama
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 
@@ -30,26 +31,6 @@ def llama_config(**overrides) -> ModelConfig:
     return config
 
 
-def from_hf_llama(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict from a LlamaForCausalLM state dict (the layouts, written out)."""
-    hd = H // HEADS
-    ours = {"embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-            "final_layernorm.weight": state["model.norm.weight"], "output_layer.weight": state["lm_head.weight"]}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        q = state[p + "self_attn.q_proj.weight"].view(GROUPS, HEADS // GROUPS, hd, H)
-        k = state[p + "self_attn.k_proj.weight"].view(GROUPS, 1, hd, H)
-        v = state[p + "self_attn.v_proj.weight"].view(GROUPS, 1, hd, H)
-        ours[f"layers.{i}.attention.qkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, H)
-        ours[f"layers.{i}.attention.proj.weight"] = state[p + "self_attn.o_proj.weight"]
-        gate, up = state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]
-        ours[f"layers.{i}.mlp.fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, H)
-        ours[f"layers.{i}.mlp.fc2.weight"] = state[p + "mlp.down_proj.weight"]
-        ours[f"layers.{i}.ln1.weight"] = state[p + "input_layernorm.weight"]
-        ours[f"layers.{i}.ln2.weight"] = state[p + "post_attention_layernorm.weight"]
-    return ours
-
-
 @pytest.fixture(scope="module")
 def hf_and_ours():
     transformers = pytest.importorskip("transformers")
@@ -59,7 +40,7 @@ def hf_and_ours():
         num_hidden_layers=LAYERS, vocab_size=VOCAB, rope_theta=500000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=64, initializer_range=0.3)).eval()  # attention matters
     ours = GPTModel(llama_config(), ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
-    ours.load_state_dict(from_hf_llama(hf.state_dict()))
+    ours.load_state_dict(hf_llama.from_hf_state(hf.state_dict(), ours.config, VOCAB))
     return hf, ours.eval()
 
 

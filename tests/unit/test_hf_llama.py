@@ -1,0 +1,133 @@
+"""Hugging Face Llama / Mistral / Qwen2 <-> our checkpoints (megatron_like/inference/hf_llama.py and
+tools/convert_hf.py), on tiny random transformers models built from a config (nothing downloaded).
+
+from-hf writes a tp2 x pp2 checkpoint whose logits (read back in one process, which reshards) equal the
+transformers model's; to-hf of that checkpoint loads in transformers with the same tensors; Qwen2's QKV
+bias and Mistral's config convert the same way; each converter refuses the other family in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from megatron_like.inference import hf_gpt2, hf_llama, load_inference_model
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import convert_hf  # noqa: E402
+
+sys.path.pop(0)
+
+H, HEADS, GROUPS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 120
+
+
+def tiny(family: str, **overrides):
+    """A tiny random ``<family>ForCausalLM`` (large init so attention and every layer matter)."""
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                             "mistral": ("MistralConfig", "MistralForCausalLM"),
+                             "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
+    values = dict(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS, intermediate_size=FFN,
+                  num_hidden_layers=LAYERS, vocab_size=VOCAB, rope_theta=500000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, max_position_embeddings=64, initializer_range=0.3)
+    values.update(overrides)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**values)).eval()
+    if family == "qwen2":  # HF initializes biases to zero: make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.3)
+    return model
+
+
+def ours_from(hf) -> GPTModel:
+    """Our one-process model holding ``hf``'s weights (through hf_llama's config and state mapping)."""
+    config = hf_llama.model_config_from_hf(hf.config.to_dict())
+    config.validate()
+    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
+    model.load_state_dict(hf_llama.from_hf_state(hf.state_dict(), config, VOCAB))
+    return model.eval()
+
+
+IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """(HF model, its directory, our tp2 x pp2 checkpoint converted from it, to-hf of that checkpoint)."""
+    root = tmp_path_factory.mktemp("llama")
+    hf = tiny("llama")
+    hf.save_pretrained(root / "hf")
+    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "ours"),
+                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    convert_hf.main(["to-hf", "--load", str(root / "ours"), "--save", str(root / "back")])
+    return hf, str(root / "hf"), str(root / "ours"), str(root / "back")
+
+
+def test_from_hf_at_tp2_pp2_keeps_the_logits(llama_dirs):
+    hf, _, ours_dir, _ = llama_dirs
+    assert sorted(os.listdir(os.path.join(ours_dir, "iter_0000000"))) == \
+        ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    loaded = load_inference_model(ours_dir, ParallelState.single_process(torch.device("cpu")))
+    m = loaded.config.model
+    assert (m.query_groups, m.rotary_base, m.swiglu, m.linear_bias, m.qkv_bias) == (GROUPS, 500000, True, False,
+                                                                                   False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model[0](IDS, None)[..., :VOCAB], hf(IDS).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_to_hf_round_trip_gives_the_same_tensors_and_logits(llama_dirs):
+    hf, _, _, back_dir = llama_dirs
+    back = transformers.AutoModelForCausalLM.from_pretrained(back_dir).eval()
+    assert type(back).__name__ == "LlamaForCausalLM" and back.config.num_key_value_heads == GROUPS
+    assert back.config.vocab_size == VOCAB
+    original, converted = hf.state_dict(), back.state_dict()
+    assert sorted(converted) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted[name], tensor), name
+    with torch.no_grad():
+        torch.testing.assert_close(back(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_qwen2_bias_and_mistral_convert_both_ways(family):
+    hf = tiny(family, **({"sliding_window": 32} if family == "mistral" else {}))
+    ours = ours_from(hf)
+    assert ours.config.qkv_bias == (family == "qwen2") and not ours.config.linear_bias
+    if family == "mistral":
+        assert ours.config.max_positions == 32  # exact up to the sliding window
+    with torch.no_grad():
+        torch.testing.assert_close(ours(IDS, None), hf(IDS).logits, rtol=1e-5, atol=1e-5)
+    back = hf_llama.to_hf_state(ours.state_dict(), ours.config, VOCAB)
+    assert sorted(back) == sorted(hf.state_dict())
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(back[name], tensor), name
+    config = hf_llama.hf_config(ours.config, VOCAB)
+    assert config["model_type"] == ("qwen2" if family == "qwen2" else "llama")
+    rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
+    rebuilt.load_state_dict(back, strict=True)  # to-hf's config and tensors make a working HF model
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(IDS).logits, hf(IDS).logits, rtol=0, atol=0)
+
+
+def test_each_converter_refuses_the_other_family():
+    llama = hf_llama.model_config_from_hf(tiny("llama").config.to_dict())
+    gpt2 = hf_gpt2.model_config_from_hf(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4).to_dict())
+    with pytest.raises(ValueError, match="position_embedding_type='rope', not GPT-2's 'learned_absolute'"):
+        hf_gpt2.hf_config(llama, VOCAB)
+    with pytest.raises(ValueError, match="position_embedding_type='learned_absolute'; a Llama/Qwen2 model needs "
+                                         "--position-embedding-type rope"):
+        hf_llama.to_hf_state({}, gpt2, VOCAB)
+    with pytest.raises(ValueError, match="model_type 'llama' is not GPT-2"):
+        hf_gpt2.model_config_from_hf(tiny("llama").config.to_dict())
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not one of"):
+        hf_llama.model_config_from_hf(transformers.GPT2Config().to_dict())
+    scaled = dict(tiny("llama").config.to_dict(), rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
+    with pytest.raises(ValueError, match="rope type 'llama3'"):
+        hf_llama.model_config_from_hf(scaled)
