@@ -10,7 +10,9 @@ processes) and by ``benchmarks/plain_vit.py``; top-1 accuracy over the whole val
 
 ``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing),
 trained by ``pretrain_gpt.py`` in one process and at tp2 x pp2 and by ``benchmarks/plain_gpt.py`` on the same
-samples; the validation loss at every ``--eval-interval`` and the training loss curve.
+samples, once from its own initial draw and once from our initial weights (``--same-init``: the two trainings
+then agree step by step, so what is left between ours and the plain run is the initial draw); the validation
+loss at every ``--eval-interval`` and the training loss curve.
 
 Runs are sequential; each side prints its own log to ``--work-dir``. Several minutes per run on 2 cores.
 """
@@ -102,6 +104,8 @@ def gpt(work: Path) -> None:
         "ours, 1 process": run([PY, "pretrain_gpt.py", *ours], work / "gpt_ours_1proc.log"),
         "ours, tp2 x pp2": run([*TORCHRUN, "pretrain_gpt.py", *ours, *TP2_PP2], work / "gpt_ours_tp2pp2.log"),
         "plain PyTorch GPT": run([PY, "benchmarks/plain_gpt.py", *data, *tokenizer], work / "gpt_plain.log"),
+        "plain PyTorch GPT, our initial weights": run([PY, "benchmarks/plain_gpt.py", *data, *tokenizer,
+                                                       "--same-init"], work / "gpt_plain_same_init.log"),
     }
     reference = curve(VALID_LOSS, sides["plain PyTorch GPT"])
     print("\n| run | validation loss at iterations 100 / 200 / 300 | vs plain at 300 | training loss every 20 "

@@ -4,7 +4,8 @@ Same architecture as ``megatron_like/model``: learned token and position embeddi
 causal multi-head attention (fused QKV with bias) and a GELU (tanh) MLP of 4h, a final LayerNorm and an
 output layer tied to the token embedding. Same initialization: every weight ~N(0, 0.02^2), the two output
 projections of each layer ~N(0, (0.02 / sqrt(2 L))^2), biases 0, LayerNorms 1 and 0 (drawn with
-``torch.manual_seed``, so not the same numbers). Same recipe as ``pretrain_gpt.py``: AdamW with weight decay on
+``torch.manual_seed``, so not the same numbers; ``--same-init`` copies megatron_like's initial weights instead,
+to compare the two trainings step by step). Same recipe as ``pretrain_gpt.py``: AdamW with weight decay on
 every matrix (embeddings included) and none on vectors, gradient clipping, Megatron's lr schedule (linear
 warmup, then cosine or linear decay to ``--min-lr``; iteration k uses the lr of step k - 1).
 
@@ -74,6 +75,31 @@ class PlainGPT(nn.Module):
         return F.linear(self.norm(x), self.tokens.weight)  # tied output layer
 
 
+@torch.no_grad()
+def copy_initial_weights_of_ours(model: PlainGPT, args: argparse.Namespace, vocab: int) -> None:
+    """``--same-init``: start from the weights megatron_like's GPTModel draws for ``--seed`` (the same numbers,
+    not just the same distribution), so the two trainings can be compared step by step."""
+    from megatron_like.config import ModelConfig
+    from megatron_like.model import GPTModel
+    from megatron_like.parallel_state import ParallelState
+
+    h, heads = args.hidden_size, args.num_attention_heads
+    config = ModelConfig(num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads,
+                         seq_length=args.seq_length)
+    ours = GPTModel(config, ParallelState.single_process(), vocab_size=vocab, seed=args.seed)
+    model.tokens.weight.copy_(ours.embedding.word_embeddings.weight)
+    model.positions.weight.copy_(ours.embedding.position_embeddings.weight)
+    for block, layer in zip(model.blocks, ours.layers):
+        # Ours lays the fused QKV out head by head ([heads, 3, head_dim]); this model as [3, heads, head_dim].
+        qkv = layer.attention.qkv
+        block.qkv.weight.copy_(qkv.weight.view(heads, 3, h // heads, h).transpose(0, 1).reshape(3 * h, h))
+        block.qkv.bias.copy_(qkv.bias.view(heads, 3, h // heads).transpose(0, 1).reshape(3 * h))
+        for mine, theirs in ((block.proj, layer.attention.proj), (block.fc1, layer.mlp.fc1),
+                             (block.fc2, layer.mlp.fc2), (block.ln1, layer.ln1), (block.ln2, layer.ln2)):
+            mine.load_state_dict(theirs.state_dict())
+    model.norm.load_state_dict(ours.final_layernorm.state_dict())
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Megatron's schedule at ``step`` optimizer steps done."""
     if args.lr_warmup_iters and step <= args.lr_warmup_iters:
@@ -103,12 +129,14 @@ def train(args: argparse.Namespace) -> dict[str, list]:
                                                             num_samples, None, True, lambda: None)
     torch.manual_seed(args.seed)
     model = PlainGPT(padded_vocab, args.seq_length, args.num_layers, args.hidden_size, args.num_attention_heads)
+    if args.same_init:
+        copy_initial_weights_of_ours(model, args, padded_vocab)
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim == 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=0.0)
     history: dict[str, list] = {"train": [], "valid": []}
-    running, valid_next = [], 0
+    valid_next = 0
     for iteration in range(1, args.train_iters + 1):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(iteration - 1, args)
@@ -123,11 +151,9 @@ def train(args: argparse.Namespace) -> dict[str, list]:
             loss_sum += loss.item() / steps
         nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
-        running.append(loss_sum)
-        if iteration % args.log_interval == 0:
-            history["train"].append((iteration, sum(running) / len(running)))
-            print(f" iteration {iteration:4d} | lm loss: {history['train'][-1][1]:.6E}", flush=True)
-            running = []
+        if iteration % args.log_interval == 0:  # this iteration's loss, as pretrain_gpt.py logs it
+            history["train"].append((iteration, loss_sum))
+            print(f" iteration {iteration:4d} | lm loss: {loss_sum:.6E}", flush=True)
         if iteration % args.eval_interval == 0 and args.eval_iters > 0:
             with torch.no_grad():
                 model.eval()
@@ -167,6 +193,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=20)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=5)
+    parser.add_argument("--same-init", action="store_true",
+                        help="start from megatron_like's initial weights for --seed instead of this file's own draw")
     return parser.parse_args(argv)
 
 

@@ -66,7 +66,8 @@ class PlainViT(nn.Module):
 
 
 def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
-    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total`` (step counts from 1)."""
+    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total`` (``step`` updates done;
+    iteration k uses step k - 1, as Megatron)."""
     if warmup and step <= warmup:
         return lr * step / warmup
     return lr * max(0.0, 1.0 - (step - warmup) / max(1, total - warmup))
@@ -94,23 +95,21 @@ def train(args: argparse.Namespace) -> float:
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train_y), generator=generator)
-    position, running = 0, []
+    position = 0
     for step in range(1, args.train_iters + 1):
         if position + args.batch_size > len(order):  # a new epoch, reshuffled
             order, position = torch.randperm(len(train_y), generator=generator), 0
         index = order[position:position + args.batch_size]
         position += args.batch_size
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args.lr, args.warmup_iters, args.train_iters)
+            group["lr"] = lr_at(step - 1, args.lr, args.warmup_iters, args.train_iters)
         loss = F.cross_entropy(model(train_x[index]), train_y[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         optimizer.step()
-        running.append(loss.item())
-        if step % args.log_interval == 0:
-            print(f" iteration {step:4d} | loss: {sum(running) / len(running):.4f}", flush=True)
-            running = []
+        if step % args.log_interval == 0:  # this iteration's loss, as pretrain_vit.py logs it
+            print(f" iteration {step:4d} | loss: {loss.item():.4f}", flush=True)
     top1 = accuracy(model, val_x, val_y)
     print(f" validation set: {len(val_y)} images | top-1 accuracy: {100 * top1:.2f}", flush=True)
     return top1
