@@ -43,7 +43,7 @@ DEMO_GPT = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads"
             "--log-interval", "20", "--eval-interval", "100", "--eval-iters", "5"]
 
 TOP1 = re.compile(r"validation set: (\d+) images \| top-1 accuracy: ([0-9.]+)")
-TRAIN_LOSS = re.compile(r"iteration\s+(\d+)/?\s*\d* \|.*?\| (?:lm )?loss: ([0-9.E+-]+)")
+TRAIN_LOSS = re.compile(r"iteration\s+(\d+)(?:/\s*\d+)? \|(?:.*?\|)? (?:lm )?loss: ([0-9.E+-]+)")
 VALID_LOSS = re.compile(r"validation loss at iteration (\d+) \| (?:.*?)lm loss value: ([0-9.E+-]+)")
 
 
