@@ -4,8 +4,8 @@
     python data_tools/make_digits_dataset.py --output-dir data/digits
 
 ``sklearn.datasets.load_digits`` ships 1,797 grayscale 8x8 digits (0-9, 16 intensity levels) inside the
-package, so nothing is downloaded. They are split 80/20 by a seeded shuffle stratified by class (1,437
-train / 360 val with the defaults), scaled to 0-255, enlarged to ``--image-size`` (nearest neighbour: each
+package, so nothing is downloaded. They are split 80/20 by a seeded shuffle stratified by class (1,438
+train / 359 val with the defaults), scaled to 0-255, enlarged to ``--image-size`` (nearest neighbour: each
 digit pixel becomes a square block, nothing is invented) and written as RGB PNGs into
 ``<output-dir>/{train,val}/<digit>/<index>.png``, the layout ``pretrain_vit.py --data-path`` reads. Output
 is deterministic for a given ``--seed``. For reference, logistic regression on the raw 64 pixels reaches
