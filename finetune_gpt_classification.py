@@ -136,6 +136,16 @@ class FinetuneResult:
     """accuracy, f1, loss, samples over the whole dev set (last pipeline stage; {} elsewhere)."""
 
 
+def sample_streams(train: Any, dev: Any, seed: int, num_samples: tuple[int, int, int]) -> tuple[Any, Any, None]:
+    """The (train, validation, test) sample streams ``pretrain()`` reads, of ``num_samples`` each.
+
+    Both sets are drawn in a seeded shuffle, reshuffled every epoch: the ``--eval-iters`` batches of an
+    in-training validation are then a fair draw even when the dev file is sorted by label.
+    """
+    valid = EpochDataset(dev, num_samples[1], seed + 1) if dev is not None and num_samples[1] else None
+    return EpochDataset(train, num_samples[0], seed), valid, None
+
+
 def finetune(config: Config, task: ClassificationConfig, ps: ParallelState | None = None) -> FinetuneResult:
     """Fine-tune with ``pretrain()``, then evaluate the whole dev set."""
     from megatron_like.data.tokenizer import build_tokenizer
@@ -152,9 +162,7 @@ def finetune(config: Config, task: ClassificationConfig, ps: ParallelState | Non
                     f"{config.global_batch_size}; lr {config.optimizer.lr:.3E}")
 
     def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:
-        seed = config.training.seed
-        valid = EpochDataset(dev, num_samples[1], seed, shuffle=False) if dev is not None and num_samples[1] else None
-        return EpochDataset(train, num_samples[0], seed), valid, None
+        return sample_streams(train, dev, config.training.seed, num_samples)
 
     provider = functools.partial(model_provider, task=task, padded_vocab_size=padded_vocab_size)
     result = pretrain(config, provider, forward_step, datasets_provider, ps=ps, padded_vocab_size=padded_vocab_size)

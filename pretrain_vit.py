@@ -112,19 +112,28 @@ def base_datasets(config: Config, vision: VisionConfig) -> tuple[Any, Any]:
     return train, valid
 
 
+def sample_streams(train: Any, valid: Any, vision: VisionConfig, seed: int,
+                   num_samples: tuple[int, int, int]) -> tuple[Any, Any, None]:
+    """The (train, validation, test) sample streams ``pretrain()`` reads, of ``num_samples`` each.
+
+    Both folders are drawn in a seeded shuffle, reshuffled every epoch: folder order is class-sorted, so the
+    ``--eval-iters`` batches of an in-training validation would otherwise hold one or two classes only.
+    """
+    if train is None:  # --mock-data: fresh generated images, a separate stream for validation
+        train_ds = SyntheticImageDataset(num_samples[0], vision.image_size, vision.num_channels, seed)
+    else:
+        train_ds = EpochDataset(train, num_samples[0], seed)
+    valid_ds = EpochDataset(valid, num_samples[1], seed + 1) if valid and num_samples[1] else None
+    return train_ds, valid_ds, None
+
+
 def train_vit(config: Config, vision: VisionConfig, ps: ParallelState | None = None) -> tuple[TrainingResult,
                                                                                             dict[str, float]]:
     """Train with ``pretrain()``; return its result and the top-1 accuracy over the whole validation set."""
     train, valid = base_datasets(config, vision)
 
     def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:
-        seed = config.training.seed
-        if train is None:  # --mock-data: fresh generated images, a separate stream for validation
-            train_ds = SyntheticImageDataset(num_samples[0], vision.image_size, vision.num_channels, seed)
-        else:
-            train_ds = EpochDataset(train, num_samples[0], seed)
-        valid_ds = EpochDataset(valid, num_samples[1], seed, shuffle=False) if valid and num_samples[1] else None
-        return train_ds, valid_ds, None
+        return sample_streams(train, valid, vision, config.training.seed, num_samples)
 
     provider = functools.partial(model_provider, vision=vision)
     result = pretrain(config, provider, forward_step, datasets_provider, ps=ps)

@@ -100,8 +100,11 @@ class ViTEmbedding(nn.Module):
         self.patch_bias = replicated_parameter((h,), 0.0, seed, "embedding.patch_bias", dtype, device)
         # 1-D like the LayerNorms, so the optimizer leaves it undecayed (as ViT implementations do).
         self.class_token = replicated_parameter((h,), std, seed, "embedding.class_token", dtype, device)
+        # std 1/sqrt(h), as the original ViT, not --init-method-std: every patch of a flat image region projects
+        # to the same vector, so at 0.02 the LayerNorm of a token is nearly its patch content alone and the
+        # model starts position-blind (a bag of patches); Adam then spends 100+ steps growing this table first.
         self.position_embeddings = replicated_parameter(
-            (vision.seq_length, h), std, seed, "embedding.position_embeddings", dtype, device
+            (vision.seq_length, h), h**-0.5, seed, "embedding.position_embeddings", dtype, device
         )
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,13 @@ def test_vit_learns_on_generated_image_folder(tmp_path, capsys):
     pretrain_vit.main(COMMON + [
         "--data-path", str(tmp_path / "images"), "--image-size", "12", "--patch-size", "4", "--num-layers", "2",
         "--hidden-size", "32", "--num-attention-heads", "4", "--micro-batch-size", "16", "--global-batch-size", "16",
-        "--train-iters", "50", "--lr", "3e-3", "--eval-interval", "50", "--eval-iters", "2",
+        "--train-iters", "80", "--lr", "3e-3", "--eval-interval", "80", "--eval-iters", "2",
     ])
     out = capsys.readouterr().out
     losses = logged_losses(out)
-    assert len(losses) == 10 and losses[-1] < 0.7 * losses[0], losses
+    # 80 iterations: since the position table starts at std 1/sqrt(h) (0.18 at h 32), these orientation-only
+    # stripes need ~30 more iterations than at 0.02 (53% top-1 at iteration 50, 78% at 80).
+    assert len(losses) == 16 and losses[-1] < 0.7 * losses[0], losses
     accuracy = float(re.search(r"validation set: 96 images \| top-1 accuracy: ([0-9.]+)", out).group(1))
     assert accuracy > 60.0, out
 
