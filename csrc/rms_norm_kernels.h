@@ -5,9 +5,11 @@
 // rows), the normalized row is rounded to T before the weight multiplies it, and the product is
 // rounded to T again, exactly as `(x.float() * rstd).to(x.dtype) * weight` does.
 
-// out = round_T(x * rstd) * w, rstd = 1 / sqrt(mean(x^2) + eps).
+// out = round_T(x * rstd) * w, rstd = 1 / sqrt(mean(x^2) + eps). Each square is rounded before it is
+// summed, as `x.pow(2).mean()` does: GNU C++ would otherwise contract square and sum into an FMA, and
+// that one-ulp difference in rstd, small as it is, moves logits of a model with large weights by 1e-5.
 template <class T>
-void rms_norm_forward(const T* x, const T* w, T* out, typename Acc<T>::type* rstd_out, std::int64_t n,
+__attribute__((optimize("fp-contract=off"))) void rms_norm_forward(const T* x, const T* w, T* out, typename Acc<T>::type* rstd_out, std::int64_t n,
                       std::int64_t h, double eps, int threads) {
   using A = typename Acc<T>::type;
   const int nt = threads_for(threads, n * h);

@@ -7,12 +7,15 @@
 // "Rotate half" layout, h = rd / 2, for j < h:
 //   forward:  out[j] = x[j] c[j] - x[j+h] s[j],    out[j+h] = x[j+h] c[j+h] + x[j] s[j+h]
 //   backward: dx[j]  = dy[j] c[j] + dy[j+h] s[j+h], dx[j+h]  = dy[j+h] c[j+h] - dy[j] s[j]
-// and columns rd.. hd pass through. Each product is rounded to T before the sum, as in the reference.
+// and columns rd.. hd pass through. Each product is rounded to T before the sum, as in the reference;
+// in float32 that means no FMA contraction of product and sum (GNU C++ contracts by default), hence
+// the optimize attribute, which also makes the float32 result bit-equal to the reference's.
 
 template <bool kBackward, class T>
-void rotary_apply(const T* x, std::int64_t stride_b, std::int64_t stride_heads, std::int64_t stride_s,
-                  const typename Acc<T>::type* cos, const typename Acc<T>::type* sin, T* out, std::int64_t b,
-                  std::int64_t heads, std::int64_t s, std::int64_t hd, std::int64_t rd, int threads) {
+__attribute__((optimize("fp-contract=off"))) void rotary_apply(
+    const T* x, std::int64_t stride_b, std::int64_t stride_heads, std::int64_t stride_s, const typename Acc<T>::type* cos,
+    const typename Acc<T>::type* sin, T* out, std::int64_t b, std::int64_t heads, std::int64_t s, std::int64_t hd,
+    std::int64_t rd, int threads) {
   using A = typename Acc<T>::type;
   const std::int64_t rows = b * heads * s;
   const std::int64_t half = rd / 2;
