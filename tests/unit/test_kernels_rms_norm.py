@@ -89,3 +89,21 @@ def test_rms_norm_gradcheck_float64():
 def test_rms_norm_rejects_wrong_weight():
     with pytest.raises(ValueError, match="weight"):
         fused_rms_norm(torch.randn(2, 4), torch.randn(3), 1e-5)
+
+
+def test_rms_norm_weight_grad_sums_the_rows_of_every_thread():
+    """Two threads (rows split between them) must add their partial weight gradients."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 1024, generator=gen).requires_grad_()  # enough work for two kernel threads
+    w = torch.randn(1024, generator=gen).requires_grad_()
+    dy = torch.randn(64, 1024, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        fused_rms_norm(x, w, 1e-5).backward(dy)
+    finally:
+        torch.set_num_threads(threads)
+    rx, rw = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    rms_norm(rx, rw, 1e-5).backward(dy)
+    torch.testing.assert_close(w.grad, rw.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, rx.grad, rtol=1e-5, atol=1e-5)
