@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/kernels.py            # GPT-2-sized shapes, 100M-param Adam
     .venv/bin/python benchmarks/kernels.py --quick    # small shapes, a smoke run
+    .venv/bin/python benchmarks/kernels.py --ops rms_norm swiglu rotary --skip-adam   # some sections only
 
 Each row times the same work both ways in this run (interleaved, best of --repeats after a warm-up,
 so the machine's 2x speed swings between periods do not leak into a ratio) and prints
@@ -31,11 +32,17 @@ from megatron_like.kernels import (  # noqa: E402 - after the path tweak, for ru
     csrc_available,
     csrc_isa,
     fused_add_layer_norm,
+    fused_apply_rotary,
+    fused_rms_norm,
+    fused_swiglu,
     fused_vocab_cross_entropy,
     layer_norm,
     scaled_masked_softmax,
     scaled_upper_triang_masked_softmax,
 )
+from megatron_like.model.norms import rms_norm  # noqa: E402 - the references the Llama kernels replace
+from megatron_like.model.rotary import apply_rotary, rotary_cos_sin  # noqa: E402
+from megatron_like.model.transformer import swiglu  # noqa: E402
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -192,6 +199,69 @@ def cross_entropy_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[tup
     ]
 
 
+def rms_norm_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[tuple]:
+    n, h = (512, 256) if args.quick else (4096, 1024)
+    x, w = torch.randn(n, h).to(dtype), (1 + 0.1 * torch.randn(h)).to(dtype)
+    gx, gw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    shape = f"[{n},{h}]"
+
+    def torch_rms(t, w_):
+        return rms_norm(t, w_, 1e-5)  # the model's reference: fp32 statistics, cast, weight multiply
+
+    def fused_rms(t, w_):
+        return fused_rms_norm(t, w_, 1e-5)
+
+    r = args.repeats
+    return [
+        row("rms_norm", shape, dtype, "fwd", lambda: torch_rms(x, w), lambda: fused_rms(x, w), r),
+        row("rms_norm", shape, dtype, "fwd+bwd", fwd_bwd(torch_rms, gx, gw), fwd_bwd(fused_rms, gx, gw), r),
+    ]
+
+
+def swiglu_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[tuple]:
+    n, f = (512, 512) if args.quick else (4096, 2816)
+    gate_up = (torch.randn(n, 2 * f) * 2).to(dtype)
+    g = gate_up.clone().requires_grad_()
+    shape = f"[{n},2x{f}]"
+    r = args.repeats
+    return [
+        row("swiglu", shape, dtype, "fwd", lambda: swiglu(gate_up), lambda: fused_swiglu(gate_up), r),
+        row("swiglu", shape, dtype, "fwd+bwd", fwd_bwd(swiglu, g), fwd_bwd(fused_swiglu, g), r),
+    ]
+
+
+def rotary_rows(dtype: torch.dtype, args: argparse.Namespace) -> list[tuple]:
+    # Query heads as the model sees them: a permuted [b, heads, s, hd] view of the [s, b, ...] QKV output.
+    b, heads, s, hd = (2, 4, 128, 64) if args.quick else (4, 16, 512, 64)
+    qkv = torch.randn(s, b, 2 * heads, hd).to(dtype)
+    g = qkv.clone().requires_grad_()
+    cos, sin = rotary_cos_sin(torch.arange(s), hd, 500000.0)
+    shape = f"[{b},{heads},{s},{hd}] view"
+
+    def torch_rotary(t):
+        return apply_rotary(t[:, :, :heads].permute(1, 2, 0, 3), cos, sin)
+
+    def fused_rotary(t):
+        return fused_apply_rotary(t[:, :, :heads].permute(1, 2, 0, 3), cos, sin)
+
+    r = args.repeats
+    return [
+        row("apply_rotary", shape, dtype, "fwd", lambda: torch_rotary(qkv), lambda: fused_rotary(qkv), r),
+        row("apply_rotary", shape, dtype, "fwd+bwd", fwd_bwd(torch_rotary, g), fwd_bwd(fused_rotary, g), r),
+    ]
+
+
+SECTIONS = {
+    "softmax": softmax_rows,
+    "layer_norm": layer_norm_rows,
+    "bias_gelu": bias_gelu_rows,
+    "cross_entropy": cross_entropy_rows,
+    "rms_norm": rms_norm_rows,
+    "swiglu": swiglu_rows,
+    "rotary": rotary_rows,
+}
+
+
 def adam_rows(args: argparse.Namespace) -> list[tuple]:
     numel = int(args.adam_params)
     repeats = max(2, args.repeats // 3)
@@ -249,6 +319,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (best is kept)")
     parser.add_argument("--adam-params", type=float, default=100e6, help="fp32 parameters in the Adam rows")
     parser.add_argument("--skip-adam", action="store_true", help="leave out the Adam rows")
+    parser.add_argument("--ops", nargs="+", choices=list(SECTIONS), default=list(SECTIONS), help="sections to run")
     args = parser.parse_args()
     if args.quick:
         args.adam_params = min(args.adam_params, 1e6)
@@ -263,7 +334,7 @@ def main() -> None:
     print("|---|---|---|---|---:|---:|---:|")
     rows = (
         row_
-        for section in (softmax_rows, layer_norm_rows, bias_gelu_rows, cross_entropy_rows)
+        for section in (SECTIONS[name] for name in args.ops)
         for dtype in (torch.float32, torch.bfloat16)
         for row_ in section(dtype, args)
     )

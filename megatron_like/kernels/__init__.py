@@ -10,6 +10,9 @@ from megatron_like.kernels.cpu_adam import CPUAdam, adam_step_
 from megatron_like.kernels.cross_entropy import fused_vocab_cross_entropy
 from megatron_like.kernels.fused_softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
 from megatron_like.kernels.layer_norm import fused_add_layer_norm, layer_norm
+from megatron_like.kernels.rms_norm import fused_rms_norm
+from megatron_like.kernels.rotary import fused_apply_rotary
+from megatron_like.kernels.swiglu import fused_swiglu
 
 __all__ = [
     "CPUAdam",
@@ -19,6 +22,9 @@ __all__ = [
     "csrc_disabled",
     "csrc_isa",
     "fused_add_layer_norm",
+    "fused_apply_rotary",
+    "fused_rms_norm",
+    "fused_swiglu",
     "fused_vocab_cross_entropy",
     "layer_norm",
     "scaled_masked_softmax",

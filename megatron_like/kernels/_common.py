@@ -62,7 +62,14 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-CUDA_TWINS = ("scaled_masked_softmax", "scaled_upper_triang_masked_softmax", "layer_norm")
+CUDA_TWINS = (
+    "scaled_masked_softmax",
+    "scaled_upper_triang_masked_softmax",
+    "layer_norm",
+    "rms_norm",
+    "swiglu",
+    "rotary",
+)
 """Ops with a CUDA build (``csrc/cuda/<name>.cu`` -> ``megatron_like._csrc.cuda_<name>``)."""
 
 

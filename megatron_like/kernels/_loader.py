@@ -129,6 +129,9 @@ KERNEL_MODULES = (
     "bias_gelu",
     "vocab_cross_entropy",
     "cpu_adam",
+    "rms_norm",
+    "swiglu",
+    "rotary",
 )
 """The extension modules the wrappers in this package use."""
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from megatron_like.config import ModelConfig
+from megatron_like.kernels import fused_rms_norm
 from megatron_like.tensor_parallel import mark_replicated, new_parameter, zeros_parameter
 
 
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = new_parameter((hidden_size,), dtype, device, lambda out: out.fill_(1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return fused_rms_norm(x, self.weight, self.eps)
 
 
 def build_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -26,9 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ModelConfig
-from megatron_like.kernels import bias_gelu, scaled_masked_softmax, scaled_upper_triang_masked_softmax
+from megatron_like.kernels import (
+    bias_gelu,
+    fused_apply_rotary,
+    fused_swiglu,
+    scaled_masked_softmax,
+    scaled_upper_triang_masked_softmax,
+)
 from megatron_like.model.norms import build_norm
-from megatron_like.model.rotary import apply_rotary, rotary_cos_sin
+from megatron_like.model.rotary import rotary_cos_sin
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
@@ -126,7 +132,7 @@ class SelfAttention(nn.Module):
         if self.rotary:
             positions = torch.arange(offset, offset + s, device=qkv.device)
             cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = fused_apply_rotary(q, cos, sin), fused_apply_rotary(k, cos, sin)
         return q, k, v
 
     def merge_heads(self, context: torch.Tensor) -> torch.Tensor:
@@ -221,7 +227,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.fc2(swiglu(self.fc1(x)))
+            return self.fc2(fused_swiglu(self.fc1(x)))
         if self.bias_gelu_fusion:  # fc1 left its bias out: one pass adds it and applies GELU
             return self.fc2(bias_gelu(self.fc1(x), self.fc1.bias))
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))

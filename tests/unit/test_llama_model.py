@@ -71,7 +71,10 @@ def test_kv_cache_decoding_equals_full_forward(hf_and_ours):
             steps.append(ours(ids[:, t:t + 1], None, inference_context=cache))
             cache.advance(1)
     assert cache.keys[0].shape[1] == GROUPS  # the cache holds one key head per query group
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=1e-5, atol=1e-5)
+    # Logits up to ~9 from std-0.3 weights: the cached (SDPA) and full paths sum in other orders, and
+    # one-ulp changes anywhere (e.g. the fused kernels) move the worst element by ~1e-5; wrong positions
+    # would move logits by ~1.
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 4:], rtol=5e-5, atol=5e-5)
 
 
 def test_greedy_and_beam_search_equal_transformers_generate(hf_and_ours):

@@ -38,3 +38,33 @@ def test_fused_path_matches_plain_path(overrides):
     torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
     for name, grad in reference_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+             num_query_groups=2, disable_bias_linear=True, rotary_percent=0.5)
+
+
+def test_llama_kernels_match_pytorch_ops(monkeypatch):
+    """With csrc a Llama-style model runs the fused RMSNorm, SwiGLU and rotary kernels (partial rotary here),
+    and its loss and gradients equal those of the PyTorch ops (MEGATRON_LIKE_NO_CSRC=1)."""
+    from megatron_like.kernels import _common, _loader
+
+    monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    if not _loader.csrc_available():
+        pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
+    used = set()
+
+    def spy_load(name):
+        module = _loader.load(name)
+        if module is not None:
+            used.add(name)
+        return module
+
+    monkeypatch.setattr(_common, "load", spy_load)
+    loss, grads = loss_and_grads(**LLAMA)
+    assert {"rms_norm", "swiglu", "rotary"} <= used
+    monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+    reference_loss, reference_grads = loss_and_grads(**LLAMA)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in reference_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
