@@ -16,12 +16,17 @@ right ones (units of ``s b h`` unless said)::
 The Llama family changes three of these terms (``g`` query groups, ``f = ffn / h``):
 
 * grouped-query attention keeps K and V for ``g`` heads: Q, K, V ``(1 + 2 g / a) e`` (the QKV output) and a
-  copy of Q taken out of the grouped layout ``e``; rotary embeddings keep the rotated Q and K instead of
-  that copy, ``(1 + g / a) e`` (V stays a view of the QKV output);
-* SwiGLU keeps the fused gate/up output ``2 f e``, silu(gate) ``f e`` and its product with up ``f e``
-  (``4 f e`` against GELU's ``2 f e``);
-* the PyTorch RMSNorm keeps its float32 input and normalized rows (``2e`` in fp32, ``4 + e`` in 16-bit)
-  where LayerNorm keeps its input ``e``.
+  copy of Q taken out of the grouped layout ``e``; with rotary embeddings (the fused kernel of
+  ``kernels/rotary.py``) attention keeps the rotated Q, the rotated K widened to ``a`` heads and a
+  contiguous ``g``-head copy instead, ``(2 + g / a) e``;
+* SwiGLU (the fused kernel of ``kernels/swiglu.py``) keeps the gate/up output ``2 f e`` and its result
+  ``f e`` (``3 f e`` against GELU's ``2 f e``);
+* RMSNorm (the fused kernel) keeps its input ``e`` and one float32 ``1 / rms`` per row, as LayerNorm keeps
+  its input ``e``.
+
+These are the compiled kernels' figures (the default install, CPU and CUDA). The pure-PyTorch fallbacks
+(``MEGATRON_LIKE_NO_CSRC=1``) keep more: silu(gate) ``f e`` more for SwiGLU, a float32 copy of the input
+for RMSNorm.
 
 Recomputation removes terms: ``selective`` keeps Q, K, V and re-runs the core (the ``a s^2 b`` terms
 vanish); ``full`` keeps only each checkpointed group's input (``e s b h``, split by tp with sequence
@@ -82,14 +87,14 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     tp, e = p.tensor_model_parallel_size, element_bytes(config)
     ffn_ratio, group_ratio = m.ffn_size / h, m.query_groups / a
     masks = 2 if m.hidden_dropout > 0 else 0
-    norm_input = e if m.normalization == "LayerNorm" else (2 * e if e == 4 else 4 + e)
+    norm_input = e if m.normalization == "LayerNorm" else e + 4 / h  # RMSNorm: input and fp32 1/rms per row
     replicated = (2 * norm_input + 2 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
     qkv = (1 + 2 * group_ratio) * e
     if m.position_embedding_type == "rope":
-        qkv += (1 + group_ratio) * e  # the rotated Q and K
+        qkv += (2 + group_ratio) * e  # rotated Q, rotated K widened to a heads, a g-head copy
     elif m.query_groups != a:
         qkv += e  # Q copied out of the grouped QKV layout
-    mlp = (4 if m.swiglu else 2) * e * ffn_ratio
+    mlp = (3 if m.swiglu else 2) * e * ffn_ratio  # SwiGLU: gate/up output 2f, result f; GELU: input, output
     split = (qkv + e + mlp) * s * b * h / tp
     core = 0.0
     attention_dropout = m.attention_dropout > 0
