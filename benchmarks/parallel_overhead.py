@@ -238,7 +238,7 @@ class count_peer_traffic(TorchDispatchMode):  # noqa: N801 - used like a functio
 # ---------------------------------------------------------------- measuring one side
 
 
-def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, int]:
+def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, comm.Traffic]:
     """Build a side and run a warm-up and a measured step under the profiler's allocation log.
 
     Returns ``(step, peak live bytes during the measured step, bytes sent in it)``; the live bytes count
@@ -257,7 +257,7 @@ def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, int
         alive += event.nbytes()
         if event.start_ns() >= start:
             peak = max(peak, alive)
-    return step, peak, traffic.bytes_sent
+    return step, peak, traffic
 
 
 def timed(step: Step) -> float:
@@ -268,9 +268,14 @@ def timed(step: Step) -> float:
     return time.perf_counter() - begin
 
 
-def run_mode(rank: int, world: int, mode: str, sizes: Sizes, steps: int) -> dict:
-    """On every rank: both sides of ``mode``, measured; returns this rank's figures."""
+def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int) -> dict[str, dict]:
+    """On every rank: both sides of each mode in turn; this rank's figures per mode."""
     torch.set_num_threads(1)
+    return {mode: run_mode(mode, sizes, steps, world) for mode in modes}
+
+
+def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
+    """Both sides of ``mode``, measured: timed steps, peak live bytes, bytes sent, parameter count."""
     config = our_config(mode, sizes, world)
     tokens = global_batch(config, sizes.vocab)
     _, build_peer = PEERS[mode]
@@ -282,7 +287,8 @@ def run_mode(rank: int, world: int, mode: str, sizes: Sizes, steps: int) -> dict
         times["peer"].append(timed(theirs))
     params = sum(p.numel() for p in _peer_model(config).parameters())
     return {"times": times, "peak": {"ours": our_peak, "peer": peer_peak},
-            "sent": {"ours": our_sent, "peer": peer_sent}, "params": params}
+            "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
+            "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params}
 
 
 def table(mode: str, sizes: Sizes, results: list[dict]) -> list[str]:
@@ -315,11 +321,11 @@ def main(argv: list[str] | None = None) -> None:
           f"load average {os.getloadavg()[0]:.1f}")
     print("| mode | implementation | s/step (median) | tokens/s | peak MiB/rank | sent MiB/rank | speed vs peer |")
     print("|---|---|---|---|---|---|---|")
+    results = run_distributed(run_modes, args.world_size, args.modes, sizes, args.steps, timeout=3600)
     for mode in args.modes:
-        results = run_distributed(run_mode, args.world_size, mode, sizes, args.steps, timeout=3600)
-        for row in table(mode, sizes, results):
-            print(row, flush=True)
-    print(f"# parameters of the model: {results[0]['params']}")
+        for row in table(mode, sizes, [r[mode] for r in results]):
+            print(row)
+    print(f"# parameters of the model: {results[0][args.modes[0]]['params']}")
 
 
 if __name__ == "__main__":
