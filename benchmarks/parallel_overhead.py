@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -54,8 +56,19 @@ from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.optimizer import param_groups  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
-MODES = ("dp", "zero3")
-OUR_FLAGS = {"dp": ["--overlap-grad-reduce"], "zero3": ["--zero-stage", "3"]}
+MODES = ("dp", "zero3", "tp", "pp", "pp-interleaved")
+# tp and pp compare with a plain GPT whose head is untied and which has no position table (DTensor's plan and
+# the pipeline split are simplest that way); ours runs the same architecture through its flags.
+_PLAIN_GPT = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "none"]
+OUR_FLAGS = {
+    "dp": ["--overlap-grad-reduce"],
+    "zero3": ["--zero-stage", "3"],
+    "tp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + _PLAIN_GPT,
+    "pp": ["--pipeline-model-parallel-size", "2"] + _PLAIN_GPT,
+    # one layer per virtual stage: 2 (default sizes) or 3 (--issue-sizes) chunks per rank
+    "pp-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    + _PLAIN_GPT,
+}
 MARK = "parallel_overhead.measured_step"
 Step = Callable[[], None]
 
@@ -70,16 +83,19 @@ class Sizes:
     global_batch: int
 
 
-SMALL = Sizes(layers=2, hidden=64, heads=4, seq=32, vocab=1024, global_batch=8)
+SMALL = Sizes(layers=4, hidden=64, heads=4, seq=32, vocab=1024, global_batch=8)
 ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=8)
 
 
 def our_config(mode: str, sizes: Sizes, world: int) -> Config:
-    """The run's configuration under our flags: dp modes split the global batch into one micro batch per rank."""
+    """The run's configuration under our flags: one micro batch per data-parallel rank, 8 micro batches of one
+    sample under the pipeline modes."""
+    dp = world if mode in ("dp", "zero3") else 1
+    micro_batch = 1 if mode.startswith("pp") else sizes.global_batch // dp
     flags = [
         "--num-layers", str(sizes.layers), "--hidden-size", str(sizes.hidden),
         "--num-attention-heads", str(sizes.heads), "--seq-length", str(sizes.seq),
-        "--max-position-embeddings", str(sizes.seq), "--micro-batch-size", str(sizes.global_batch // world),
+        "--max-position-embeddings", str(sizes.seq), "--micro-batch-size", str(micro_batch),
         "--global-batch-size", str(sizes.global_batch), "--train-iters", "1000", "--lr", "1e-4",
         "--mock-data", "--vocab-size", str(sizes.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
         "--eval-iters", "0", "--seed", "1234", "--clip-grad", "1.0", "--weight-decay", "0.01",
@@ -179,9 +195,160 @@ def build_fsdp2(config: Config, tokens: torch.Tensor) -> Step:
     return _data_parallel_step(config, model, _adamw(config, model, fused=False), rank_rows(tokens, rank, world))
 
 
+class _Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections (so ColwiseParallel splits whole heads)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, h]`` -> ``[b, s, h]``; under tensor parallelism the local heads are ``-1``."""
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(hidden), _Attention(hidden, heads), \
+            nn.LayerNorm(hidden), _MLP(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class PlainGPT(nn.Module):
+    """The tp/pp peers' GPT (pre-LayerNorm, GELU MLP, biases, no position table, untied head), ``[b, s]`` layout.
+
+    ``pre`` / ``post`` keep the embedding / final norm and head, to cut pipeline stages from it.
+    """
+
+    def __init__(self, config: Config, vocab: int, layers: range, pre: bool = True, post: bool = True) -> None:
+        super().__init__()
+        h, heads = config.model.hidden_size, config.model.num_attention_heads
+        self.embed = nn.Embedding(vocab, h) if pre else None
+        self.layers = nn.ModuleDict({str(i): _Block(h, heads) for i in layers})
+        self.norm = nn.LayerNorm(h) if post else None
+        self.head = nn.Linear(h, vocab, bias=False) if post else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens ``[b, s]`` (first stage) or hidden ``[b, s, h]`` -> logits ``[b, s, v]`` (last) or hidden."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def build_dtensor_tp(config: Config, tokens: torch.Tensor) -> Step:
+    """torchtitan's plan: vocab-parallel embedding, sequence-parallel norms, col/row-parallel linears,
+    a column-parallel head whose vocab-sharded logits feed ``loss_parallel``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(config.training.seed)
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    model = PlainGPT(config, vocab, range(config.model.num_layers))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    optimizer = _adamw(config, model, fused=False)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        optimizer.step()
+
+    return step
+
+
+def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -> Step:
+    """``torch.distributed.pipelining`` stages cut from PlainGPT; the grad norm is all-reduced over stages."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    chunks = config.virtual_pipeline_size
+    num_stages = world * chunks
+    per_stage = config.model.num_layers // num_stages
+    stages, modules = [], []
+    for chunk in range(chunks):
+        index = chunk * world + rank  # Megatron's and torch's interleaved placement: stage i on rank i % world
+        torch.manual_seed(config.training.seed + index)
+        module = PlainGPT(config, vocab, range(index * per_stage, (index + 1) * per_stage),
+                          pre=index == 0, post=index == num_stages - 1)
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, torch.device("cpu")))
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    microbatches = config.num_microbatches
+    schedule = (ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn) if interleaved
+                else Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn))
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = _adamw(config, nn.ModuleList(modules), fused=True)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    first, last = rank == 0, rank == (num_stages - 1) % world
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        kwargs = {"target": labels, "losses": []} if last else {}
+        schedule.step(inputs, **kwargs) if first else schedule.step(**kwargs)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        squared = norm.square()
+        torch.distributed.all_reduce(squared)
+        torch.nn.utils.clip_grads_with_norm_(params, config.optimizer.clip_grad, squared.sqrt())
+        optimizer.step()
+
+    return step
+
+
 PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
     "dp": ("DDP", build_ddp),
     "zero3": ("FSDP2 fully_shard", build_fsdp2),
+    "tp": ("DTensor TP+SP, loss_parallel", build_dtensor_tp),
+    "pp": ("pipelining Schedule1F1B", lambda c, t: _build_pipelining(c, t, interleaved=False)),
+    "pp-interleaved": ("pipelining ScheduleInterleaved1F1B", lambda c, t: _build_pipelining(c, t, interleaved=True)),
 }
 
 

@@ -17,7 +17,7 @@ from tests.distributed.harness import run_distributed
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import parallel_overhead as bench  # noqa: E402
 
-TINY = bench.Sizes(layers=2, hidden=32, heads=2, seq=16, vocab=256, global_batch=8)
+TINY = bench.Sizes(layers=4, hidden=32, heads=2, seq=16, vocab=256, global_batch=8)
 WORLD = 2
 # Besides the gradients, a data-parallel step all-reduces a few scalars: the grad norm (both sides) and
 # our logged loss average. Each is 4 bytes, 2 x 4 x (w-1)/w = 4 bytes sent.
