@@ -39,11 +39,14 @@ def test_every_mode_runs_both_sides_and_reports_figures(figures):
 
 
 def test_dp_sends_one_gradient_all_reduce_per_step(figures):
-    """dp and DDP: 2 x parameter bytes x (dp-1)/dp, plus a few scalars."""
+    """dp and DDP all-reduce 2 x parameter bytes x (dp-1)/dp, plus a few scalars; DDP also broadcasts the
+    model's buffers each forward (a few hundred bytes)."""
     dp = figures["dp"]
     theory = 2 * 4 * dp["params"] * (WORLD - 1) // WORLD
     for side in ("ours", "peer"):
-        assert theory <= dp["sent"][side] <= theory + SCALARS, (side, dp["sent_by_kind"][side], theory)
+        by_kind = dp["sent_by_kind"][side]
+        assert theory <= by_kind["all_reduce"] <= theory + SCALARS, (side, by_kind, theory)
+        assert dp["sent"][side] - by_kind["all_reduce"] < 0.01 * theory, (side, by_kind)
 
 
 def test_zero3_sends_gather_gather_reduce_scatter(figures):
@@ -53,3 +56,14 @@ def test_zero3_sends_gather_gather_reduce_scatter(figures):
     sent = zero3["sent_by_kind"]["ours"]
     assert sent["all_gather"] == pytest.approx(2 * one_pass, rel=0.01), sent
     assert sent["reduce_scatter"] == pytest.approx(one_pass, rel=0.01), sent
+
+
+@pytest.mark.parametrize("mode, chunks", [("pp", 1), ("pp-interleaved", 2)])
+def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figures, mode, chunks):
+    """With v chunks per rank over 2 ranks there are 2v - 1 stage boundaries; each rank sends, per micro
+    batch, the activations ``[s, 1, h]`` (forward) or their gradients (backward) of 2v - 1 of them."""
+    activation = TINY.seq * TINY.hidden * 4
+    theory = (2 * chunks - 1) * TINY.global_batch * activation
+    for side in ("ours", "peer"):
+        sent = figures[mode]["sent"][side]
+        assert theory <= sent <= theory + SCALARS, (mode, side, figures[mode]["sent_by_kind"][side], theory)
