@@ -7,9 +7,15 @@ Modes (ours vs the PyTorch peer):
 
 - ``dp``: ``DataParallel`` with overlapped bucketed all-reduce vs ``DistributedDataParallel``.
 - ``zero3``: ``--zero-stage 3`` vs FSDP2 ``fully_shard`` on every transformer layer and on the root.
+- ``tp``: ``--tensor-model-parallel-size 2 --sequence-parallel`` vs DTensor ``parallelize_module``
+  (ColwiseParallel / RowwiseParallel / SequenceParallel, torchtitan's plan) with ``loss_parallel``.
+- ``pp`` / ``pp-interleaved``: our 1F1B / interleaved 1F1B vs ``torch.distributed.pipelining``'s
+  ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, 8 micro batches of one sample, one layer per virtual stage.
 
-Both sides train the same model (our ``GPTModel`` of one process, tied head, is the peer's module) on the
-same tokens with the same AdamW (lr, betas, eps, weight decay on matrices only) and gradient clipping at 1.0.
+Both sides train the same architecture on the same tokens with the same AdamW (lr, betas, eps, weight decay
+on matrices only) and gradient clipping at 1.0. dp and zero3 wrap our own ``GPTModel`` of one process (tied
+head) in DDP / FSDP2; tp and pp compare with ``PlainGPT`` (untied head, no position table), which ours
+matches with ``--untie-embeddings-and-output-weights --position-embedding-type none``.
 Each process runs one thread. Per side, a profiled window builds the model and runs a warm-up step (the
 optimizer states appear) and one measured step; then the timed steps alternate between the sides so a slow
 period of the machine hits both. The table reports:
@@ -24,7 +30,9 @@ period of the machine hits both. The table reports:
   (w-1)/w of the full tensor, a point-to-point send its size); the largest over the ranks. Ours is counted
   inside ``megatron_like/collectives.py`` (``count_traffic``); the peer's by a dispatch mode that sees every
   ``c10d`` op (DDP's reducer, FSDP2, eager ``torch.distributed`` calls) and ``_c10d_functional`` op (DTensor).
-  Theory for dp: ``2 x params x 4 bytes x (dp-1)/dp`` plus the grad-norm and loss all-reduces (a few bytes).
+  Theory for dp: ``2 x params x 4 bytes x (dp-1)/dp`` plus the grad-norm and loss all-reduces (a few bytes);
+  ZeRO-3 ``3 x`` that over 2; a pipeline ``2v - 1`` activations per micro batch
+  (``tests/distributed/test_parallel_overhead.py`` checks these).
 
 Timings on a shared machine are noisy: compare the two sides' ratio from one run, not absolute figures.
 """
