@@ -6,6 +6,9 @@ a ``None`` group means a group of one process, and the call is a no-op (or retur
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,6 +32,66 @@ def new_world_group() -> Group:
     return dist.new_group(backend="gloo") if dist.is_initialized() else None
 
 
+# ---------------------------------------------------------------- traffic counting
+# Benchmarks and tests measure how many bytes a step communicates (``benchmarks/parallel_overhead.py``).
+
+
+def ring_bytes_sent(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends for a collective under the ring algorithms (bandwidth-optimal, as NCCL and gloo).
+
+    ``nbytes`` is the full (unsharded) tensor: the all-reduce's buffer, the all-gather's output, the
+    reduce-scatter's input. all-reduce sends ``2 (w - 1) / w`` of it, all-gather and reduce-scatter
+    ``(w - 1) / w``, broadcast ``(w - 1) / w`` (a scatter + all-gather pipeline), a point-to-point send all of it.
+    """
+    if world <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * nbytes * (world - 1) // world
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return nbytes * (world - 1) // world
+    if kind == "send":
+        return nbytes
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent inside a :func:`count_traffic` block, in total and per collective kind."""
+
+    bytes_sent: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int, world: int) -> None:
+        sent = ring_bytes_sent(kind, nbytes, world)
+        self.bytes_sent += sent
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + sent
+
+
+_traffic: Traffic | None = None
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count the bytes every collective of this module sends from this rank while the block runs."""
+    global _traffic
+    outer, _traffic = _traffic, Traffic()
+    try:
+        yield _traffic
+    finally:
+        _traffic = outer
+
+
+def record_traffic(kind: str, nbytes: int, world: int) -> None:
+    """Add one collective over ``world`` ranks on a ``nbytes`` tensor to the open :func:`count_traffic` block."""
+    if _traffic is not None:
+        _traffic.add(kind, nbytes, world)
+
+
+def _record(kind: str, tensor: torch.Tensor, group: Group) -> None:
+    if _traffic is not None:
+        _traffic.add(kind, tensor.numel() * tensor.element_size(), group_size(group))
+
+
 def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -41,6 +104,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     """Reduce ``tensor`` in place over ``group`` (op: sum, max, min, avg) and return it."""
     if group is None:
         return tensor
+    _record("all_reduce", tensor, group)
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
     if op == "avg":
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
@@ -56,6 +120,7 @@ def all_gather_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> torch.
         return tensor
     tensor = tensor.movedim(dim, 0).contiguous()
     gathered = torch.empty((world * tensor.shape[0],) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _record("all_gather", gathered, group)
     _all_gather_flat(gathered, tensor, group=group)
     return gathered.movedim(0, dim)
 
@@ -69,6 +134,7 @@ def reduce_scatter_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> to
     if tensor.shape[0] % world != 0:
         raise ValueError(f"dimension {dim} of size {tensor.shape[0]} does not split over {world} ranks")
     out = torch.empty((tensor.shape[0] // world,) + tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    _record("reduce_scatter", tensor, group)
     _reduce_scatter_flat(out, tensor, group=group)
     return out.movedim(0, dim)
 
@@ -86,6 +152,7 @@ def split_along_dim(tensor: torch.Tensor, group: Group, dim: int) -> torch.Tenso
 def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch.Tensor:
     """Copy ``tensor`` from ``src_global_rank`` to every rank of ``group`` (in place)."""
     if group is not None:
+        _record("broadcast", tensor, group)
         dist.broadcast(tensor, src=src_global_rank, group=group)
     return tensor
 
@@ -143,6 +210,9 @@ def post_p2p(sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch
 
     ``.wait()`` a work before reading a received tensor or writing a sent one.
     """
+    if _traffic is not None:
+        for t, _, _ in sends:
+            _traffic.add("send", t.numel() * t.element_size(), 2)
     ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for t, peer, tag in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for t, peer, tag in recvs]
     return dist.batch_isend_irecv(ops) if ops else []
@@ -168,6 +238,7 @@ def all_reduce_flat(tensor: torch.Tensor, group: Group, async_op: bool = False) 
     """Sum ``tensor`` in place over ``group``; the work handle when ``async_op`` (None for a group of one)."""
     if group is None:
         return None
+    _record("all_reduce", tensor, group)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -177,6 +248,7 @@ def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group
     if group is None:
         output.copy_(tensor)
         return None
+    _record("reduce_scatter", tensor, group)
     return _reduce_scatter_flat(output, tensor, group=group, async_op=async_op)
 
 
@@ -186,4 +258,5 @@ def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group,
     if group is None:
         output.copy_(tensor)
         return None
+    _record("all_gather", output, group)
     return _all_gather_flat(output, tensor, group=group, async_op=async_op)

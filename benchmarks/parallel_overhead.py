@@ -1,0 +1,507 @@
+"""Our hand-written parallelism against PyTorch's own, side by side in one run on 2 gloo processes.
+
+    .venv/bin/python benchmarks/parallel_overhead.py                      # small sizes, every mode
+    .venv/bin/python benchmarks/parallel_overhead.py --issue-sizes --modes dp zero3 --steps 3
+
+Modes (ours vs the PyTorch peer):
+
+- ``dp``: ``DataParallel`` with overlapped bucketed all-reduce vs ``DistributedDataParallel``.
+- ``zero3``: ``--zero-stage 3`` vs FSDP2 ``fully_shard`` on every transformer layer and on the root.
+- ``tp``: ``--tensor-model-parallel-size 2 --sequence-parallel`` vs DTensor ``parallelize_module``
+  (ColwiseParallel / RowwiseParallel / SequenceParallel, torchtitan's plan) with ``loss_parallel``.
+- ``pp`` / ``pp-interleaved``: our 1F1B / interleaved 1F1B vs ``torch.distributed.pipelining``'s
+  ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, 8 micro batches of one sample, one layer per virtual stage.
+
+Both sides train the same architecture on the same tokens with the same AdamW (lr, betas, eps, weight decay
+on matrices only) and gradient clipping at 1.0. dp and zero3 wrap our own ``GPTModel`` of one process (tied
+head) in DDP / FSDP2; tp and pp compare with ``PlainGPT`` (untied head, no position table), which ours
+matches with ``--untie-embeddings-and-output-weights --position-embedding-type none``.
+Each process runs one thread. Per side, a profiled window builds the model and runs a warm-up step (the
+optimizer states appear) and one measured step; then the timed steps alternate between the sides so a slow
+period of the machine hits both. The table reports:
+
+- ``s/step``: median over the timed steps of rank 0's wall time between barriers before and after the step.
+- ``tokens/s``: global batch x sequence length / that median.
+- ``peak MiB/rank``: the most bytes of tensors alive at once during the measured step, from the profiler's
+  allocation log (allocations minus frees since the side's construction: parameters, gradients,
+  optimizer states and the step's transients; not the resident set); the largest over the ranks.
+- ``sent MiB/rank``: bytes one rank sends during the measured step under the ring algorithms
+  (``collectives.ring_bytes_sent``: all-reduce 2 (w-1)/w of the buffer, all-gather and reduce-scatter
+  (w-1)/w of the full tensor, a point-to-point send its size); the largest over the ranks. Ours is counted
+  inside ``megatron_like/collectives.py`` (``count_traffic``); the peer's by a dispatch mode that sees every
+  ``c10d`` op (DDP's reducer, FSDP2, eager ``torch.distributed`` calls) and ``_c10d_functional`` op (DTensor).
+  Theory for dp: ``2 x params x 4 bytes x (dp-1)/dp`` plus the grad-norm and loss all-reduces (a few bytes);
+  ZeRO-3 ``3 x`` that over 2; a pipeline ``2v - 1`` activations per micro batch
+  (``tests/distributed/test_parallel_overhead.py`` checks these).
+
+Timings on a shared machine are noisy: compare the two sides' ratio from one run, not absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_like import collectives as comm  # noqa: E402
+from megatron_like.config import Config, parse_config  # noqa: E402
+from megatron_like.model import GPTModel  # noqa: E402
+from megatron_like.optimizer import param_groups  # noqa: E402
+from megatron_like.parallel_state import ParallelState  # noqa: E402
+
+MODES = ("dp", "zero3", "tp", "pp", "pp-interleaved")
+# tp and pp compare with a plain GPT whose head is untied and which has no position table (DTensor's plan and
+# the pipeline split are simplest that way); ours runs the same architecture through its flags.
+_PLAIN_GPT = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "none"]
+OUR_FLAGS = {
+    "dp": ["--overlap-grad-reduce"],
+    "zero3": ["--zero-stage", "3"],
+    "tp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + _PLAIN_GPT,
+    "pp": ["--pipeline-model-parallel-size", "2"] + _PLAIN_GPT,
+    # one layer per virtual stage: 2 (default sizes) or 3 (--issue-sizes) chunks per rank
+    "pp-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    + _PLAIN_GPT,
+}
+MARK = "parallel_overhead.measured_step"
+Step = Callable[[], None]
+
+
+@dataclass
+class Sizes:
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    global_batch: int
+
+
+SMALL = Sizes(layers=4, hidden=64, heads=4, seq=32, vocab=1024, global_batch=8)
+ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=8)
+
+
+def our_config(mode: str, sizes: Sizes, world: int) -> Config:
+    """The run's configuration under our flags: one micro batch per data-parallel rank, 8 micro batches of one
+    sample under the pipeline modes."""
+    dp = world if mode in ("dp", "zero3") else 1
+    micro_batch = 1 if mode.startswith("pp") else sizes.global_batch // dp
+    flags = [
+        "--num-layers", str(sizes.layers), "--hidden-size", str(sizes.hidden),
+        "--num-attention-heads", str(sizes.heads), "--seq-length", str(sizes.seq),
+        "--max-position-embeddings", str(sizes.seq), "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(sizes.global_batch), "--train-iters", "1000", "--lr", "1e-4",
+        "--mock-data", "--vocab-size", str(sizes.vocab), "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--eval-iters", "0", "--seed", "1234", "--clip-grad", "1.0", "--weight-decay", "0.01",
+    ]
+    return parse_config(flags + OUR_FLAGS[mode], world_size=world)
+
+
+def global_batch(config: Config, vocab: int) -> torch.Tensor:
+    """The same tokens ``[global batch, s + 1]`` for both sides and every rank."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (config.global_batch_size, config.model.seq_length + 1), generator=generator)
+
+
+def rank_rows(tokens: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
+    per_rank = tokens.shape[0] // dp_size
+    return tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+
+
+# ---------------------------------------------------------------- our side
+
+
+def build_ours(config: Config, tokens: torch.Tensor) -> Step:
+    """Our trainer's pieces (``build_model_chunks``, ``parallelize``, ``train_step``) on fixed batches."""
+    import pretrain_gpt
+    from megatron_like.training.loop import build_model_chunks, train_step
+    from megatron_like.training.lr_schedule import LearningRateScheduler
+    from megatron_like.training.parallelize import parallelize
+
+    ps = ParallelState.initialize(config.parallel, config.world_size)
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    provider = lambda cfg, ps_, **kw: pretrain_gpt.model_provider(cfg, ps_, padded_vocab_size=vocab, **kw)  # noqa: E731
+    model = build_model_chunks(config, ps, provider)
+    _, optimizer = parallelize(config, ps, model)
+    scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters)
+    rows = rank_rows(tokens, ps.dp_rank, ps.dp_size)
+    micro = [{"text": m} for m in rows.split(config.training.micro_batch_size)]
+    data: Iterator = itertools.cycle(micro)
+    for chunk in model:
+        chunk.train()
+
+    def step() -> None:
+        train_step(config, ps, pretrain_gpt.forward_step, data, model, optimizer, scheduler)
+
+    return step
+
+
+# ---------------------------------------------------------------- the PyTorch peers
+
+
+def _peer_model(config: Config) -> GPTModel:
+    """Our GPT of one process (tied head): the module DDP and FSDP2 wrap."""
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    return GPTModel(config.model, ParallelState.single_process(), vocab_size=vocab, seed=config.training.seed)
+
+
+def _adamw(config: Config, model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
+    o = config.optimizer
+    return torch.optim.AdamW(param_groups([model], o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2),
+                             eps=o.adam_eps, fused=fused, foreach=None if fused else True)
+
+
+def _data_parallel_step(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        rows: torch.Tensor) -> Step:
+    """Forward/backward over this rank's micro batches, clip at --clip-grad, AdamW."""
+    micro = rows.split(config.training.micro_batch_size)
+    positions = torch.arange(config.model.seq_length).unsqueeze(0)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        for text in micro:
+            loss = model(text[:, :-1], positions.expand(text.shape[0], -1), labels=text[:, 1:]).mean()
+            (loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        optimizer.step()
+
+    return step
+
+
+def build_ddp(config: Config, tokens: torch.Tensor) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(config.training.seed)
+    model = DistributedDataParallel(_peer_model(config))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return _data_parallel_step(config, model, _adamw(config, model, fused=True), rank_rows(tokens, rank, world))
+
+
+def build_fsdp2(config: Config, tokens: torch.Tensor) -> Step:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(config.training.seed)
+    model = _peer_model(config)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return _data_parallel_step(config, model, _adamw(config, model, fused=False), rank_rows(tokens, rank, world))
+
+
+class _Attention(nn.Module):
+    """Causal self-attention with separate q, k, v projections (so ColwiseParallel splits whole heads)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [b, s, h]`` -> ``[b, s, h]``; under tensor parallelism the local heads are ``-1``."""
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(hidden), _Attention(hidden, heads), \
+            nn.LayerNorm(hidden), _MLP(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class PlainGPT(nn.Module):
+    """The tp/pp peers' GPT (pre-LayerNorm, GELU MLP, biases, no position table, untied head), ``[b, s]`` layout.
+
+    ``pre`` / ``post`` keep the embedding / final norm and head, to cut pipeline stages from it.
+    """
+
+    def __init__(self, config: Config, vocab: int, layers: range, pre: bool = True, post: bool = True) -> None:
+        super().__init__()
+        h, heads = config.model.hidden_size, config.model.num_attention_heads
+        self.embed = nn.Embedding(vocab, h) if pre else None
+        self.layers = nn.ModuleDict({str(i): _Block(h, heads) for i in layers})
+        self.norm = nn.LayerNorm(h) if post else None
+        self.head = nn.Linear(h, vocab, bias=False) if post else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens ``[b, s]`` (first stage) or hidden ``[b, s, h]`` -> logits ``[b, s, v]`` (last) or hidden."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        return self.head(self.norm(x)) if self.head is not None else x
+
+
+def build_dtensor_tp(config: Config, tokens: torch.Tensor) -> Step:
+    """torchtitan's plan: vocab-parallel embedding, sequence-parallel norms, col/row-parallel linears,
+    a column-parallel head whose vocab-sharded logits feed ``loss_parallel``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    torch.manual_seed(config.training.seed)
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    model = PlainGPT(config, vocab, range(config.model.num_layers))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    parallelize_module(model, mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, mesh, {
+            "ln1": SequenceParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+            "ln2": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    optimizer = _adamw(config, model, fused=False)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(inputs)
+        with loss_parallel():
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_grad)
+        optimizer.step()
+
+    return step
+
+
+def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -> Step:
+    """``torch.distributed.pipelining`` stages cut from PlainGPT; the grad norm is all-reduced over stages."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    vocab = config.padded_vocab_size(config.model.vocab_size)
+    chunks = config.virtual_pipeline_size
+    num_stages = world * chunks
+    per_stage = config.model.num_layers // num_stages
+    stages, modules = [], []
+    for chunk in range(chunks):
+        index = chunk * world + rank  # Megatron's and torch's interleaved placement: stage i on rank i % world
+        torch.manual_seed(config.training.seed + index)
+        module = PlainGPT(config, vocab, range(index * per_stage, (index + 1) * per_stage),
+                          pre=index == 0, post=index == num_stages - 1)
+        modules.append(module)
+        stages.append(PipelineStage(module, index, num_stages, torch.device("cpu")))
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    microbatches = config.num_microbatches
+    schedule = (ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn) if interleaved
+                else Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn))
+    params = [p for m in modules for p in m.parameters()]
+    optimizer = _adamw(config, nn.ModuleList(modules), fused=True)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    first, last = rank == 0, rank == (num_stages - 1) % world
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        kwargs = {"target": labels, "losses": []} if last else {}
+        schedule.step(inputs, **kwargs) if first else schedule.step(**kwargs)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        squared = norm.square()
+        torch.distributed.all_reduce(squared)
+        torch.nn.utils.clip_grads_with_norm_(params, config.optimizer.clip_grad, squared.sqrt())
+        optimizer.step()
+
+    return step
+
+
+PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
+    "dp": ("DDP", build_ddp),
+    "zero3": ("FSDP2 fully_shard", build_fsdp2),
+    "tp": ("DTensor TP+SP, loss_parallel", build_dtensor_tp),
+    "pp": ("pipelining Schedule1F1B", lambda c, t: _build_pipelining(c, t, interleaved=False)),
+    "pp-interleaved": ("pipelining ScheduleInterleaved1F1B", lambda c, t: _build_pipelining(c, t, interleaved=True)),
+}
+
+
+# ---------------------------------------------------------------- counting the peer's traffic
+# Every torch collective reaches the dispatcher as a ``c10d`` op (eager ``torch.distributed`` calls, DDP's
+# C++ reducer, FSDP2) or a ``_c10d_functional`` op (DTensor). A dispatch mode sees both; the c10d op a
+# functional op runs inside is not seen again (the mode is off while it handles an op), so none counts twice.
+
+# op name -> (kind, index of the argument holding the full tensor(s))
+_C10D_OPS = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0), "send": ("send", 0),
+}
+# functional ops take the local input; an all-gather's full tensor is group_size times it
+_FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "broadcast_": "broadcast",
+}
+
+
+def _nbytes(value: object) -> int:
+    """Bytes of a tensor or a (nested) list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+class count_peer_traffic(TorchDispatchMode):  # noqa: N801 - used like a function: ``with count_peer_traffic():``
+    """Record every collective torch runs while active into ``collectives.count_traffic`` (see above).
+
+    All the peers' groups span the whole world, so the world size is the group size.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - dispatch protocol
+        namespace, name = func.namespace, func._overloadpacket.__name__
+        world = torch.distributed.get_world_size()
+        if namespace == "c10d" and name in _C10D_OPS:
+            kind, index = _C10D_OPS[name]
+            comm.record_traffic(kind, _nbytes(args[index]), world)
+        elif namespace.startswith("_c10d_functional") and name in _FUNCTIONAL_OPS:
+            kind = _FUNCTIONAL_OPS[name]
+            comm.record_traffic(kind, _nbytes(args[0]) * (world if kind == "all_gather" else 1), world)
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------- measuring one side
+
+
+def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, comm.Traffic]:
+    """Build a side and run a warm-up and a measured step under the profiler's allocation log.
+
+    Returns ``(step, peak live bytes during the measured step, bytes sent in it)``; the live bytes count
+    everything allocated since the build started, so the side's parameters and states are included.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        step()
+        peer_counter = count_peer_traffic() if peer else contextlib.nullcontext()
+        with comm.count_traffic() as traffic, record_function(MARK), peer_counter:
+            step()
+    events = list(prof.profiler.kineto_results.events())
+    start = min(e.start_ns() for e in events if e.name() == MARK)
+    alive = peak = 0
+    for event in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        alive += event.nbytes()
+        if event.start_ns() >= start:
+            peak = max(peak, alive)
+    return step, peak, traffic
+
+
+def timed(step: Step) -> float:
+    comm.barrier()
+    begin = time.perf_counter()
+    step()
+    comm.barrier()
+    return time.perf_counter() - begin
+
+
+def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int) -> dict[str, dict]:
+    """On every rank: both sides of each mode in turn; this rank's figures per mode."""
+    torch.set_num_threads(1)
+    return {mode: run_mode(mode, sizes, steps, world) for mode in modes}
+
+
+def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
+    """Both sides of ``mode``, measured: timed steps, peak live bytes, bytes sent, parameter count."""
+    config = our_config(mode, sizes, world)
+    tokens = global_batch(config, sizes.vocab)
+    _, build_peer = PEERS[mode]
+    ours, our_peak, our_sent = profiled_side(lambda: build_ours(config, tokens), peer=False)
+    theirs, peer_peak, peer_sent = profiled_side(lambda: build_peer(config, tokens), peer=True)
+    times: dict[str, list[float]] = {"ours": [], "peer": []}
+    for _ in range(steps):
+        times["ours"].append(timed(ours))
+        times["peer"].append(timed(theirs))
+    params = sum(p.numel() for p in _peer_model(config).parameters())
+    return {"times": times, "peak": {"ours": our_peak, "peer": peer_peak},
+            "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
+            "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params}
+
+
+def table(mode: str, sizes: Sizes, results: list[dict]) -> list[str]:
+    """Markdown rows ``| mode | side | s/step | tokens/s | peak MiB/rank | sent MiB/rank | speed vs peer |``."""
+    tokens = sizes.global_batch * sizes.seq
+    medians = {side: statistics.median(results[0]["times"][side]) for side in ("ours", "peer")}
+    rows = []
+    for side, name in (("ours", "megatron_like"), ("peer", PEERS[mode][0])):
+        peak = max(r["peak"][side] for r in results) / 2**20
+        sent = max(r["sent"][side] for r in results) / 2**20
+        speed = medians["peer"] / medians[side]
+        rows.append(f"| {mode} | {name} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | {peak:.1f} | "
+                    f"{sent:.2f} | {speed:.2f}x |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per side")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--issue-sizes", action="store_true",
+                        help="GPT 6 layers, hidden 512, 8 heads, seq 256, vocab 50304, global batch 8")
+    args = parser.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    from tests.distributed.harness import run_distributed
+
+    sizes = ISSUE if args.issue_sizes else SMALL
+    print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| mode | implementation | s/step (median) | tokens/s | peak MiB/rank | sent MiB/rank | speed vs peer |")
+    print("|---|---|---|---|---|---|---|")
+    results = run_distributed(run_modes, args.world_size, args.modes, sizes, args.steps, timeout=3600)
+    for mode in args.modes:
+        for row in table(mode, sizes, [r[mode] for r in results]):
+            print(row)
+    print(f"# parameters of the model: {results[0][args.modes[0]]['params']}")
+
+
+if __name__ == "__main__":
+    main()

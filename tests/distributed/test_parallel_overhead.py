@@ -1,0 +1,69 @@
+"""benchmarks/parallel_overhead.py keeps running, and its bytes-sent counters agree with theory.
+
+One 2-process run of the benchmark's every mode at tiny sizes, one timed step per side (no timing checks).
+The counters use the ring model of ``collectives.ring_bytes_sent``: an all-reduce of ``n`` bytes over ``w``
+ranks sends ``2 n (w - 1) / w`` per rank, an all-gather or reduce-scatter ``n (w - 1) / w``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from tests.distributed.harness import run_distributed
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import parallel_overhead as bench  # noqa: E402
+
+TINY = bench.Sizes(layers=4, hidden=32, heads=2, seq=16, vocab=256, global_batch=8)
+WORLD = 2
+# Besides the gradients, a data-parallel step all-reduces a few scalars: the grad norm (both sides) and
+# our logged loss average. Each is 4 bytes, 2 x 4 x (w-1)/w = 4 bytes sent.
+SCALARS = 64
+
+
+@pytest.fixture(scope="module")
+def figures() -> dict[str, dict]:
+    return run_distributed(bench.run_modes, WORLD, list(bench.MODES), TINY, 1, timeout=600)[0]
+
+
+def test_every_mode_runs_both_sides_and_reports_figures(figures):
+    for mode in bench.MODES:
+        result = figures[mode]
+        for side in ("ours", "peer"):
+            assert len(result["times"][side]) == 1, (mode, side)
+            assert result["peak"][side] > 4 * result["params"] // WORLD, (mode, side)  # at least the shards
+            assert result["sent"][side] > 0, (mode, side)
+
+
+def test_dp_sends_one_gradient_all_reduce_per_step(figures):
+    """dp and DDP all-reduce 2 x parameter bytes x (dp-1)/dp, plus a few scalars; DDP also broadcasts the
+    model's buffers each forward (a few hundred bytes)."""
+    dp = figures["dp"]
+    theory = 2 * 4 * dp["params"] * (WORLD - 1) // WORLD
+    for side in ("ours", "peer"):
+        by_kind = dp["sent_by_kind"][side]
+        assert theory <= by_kind["all_reduce"] <= theory + SCALARS, (side, by_kind, theory)
+        assert dp["sent"][side] - by_kind["all_reduce"] < 0.01 * theory, (side, by_kind)
+
+
+def test_zero3_sends_gather_gather_reduce_scatter(figures):
+    """ZeRO-3: parameters all-gathered for forward and again for backward, gradients reduce-scattered: 3x."""
+    zero3 = figures["zero3"]
+    one_pass = 4 * zero3["params"] * (WORLD - 1) // WORLD
+    sent = zero3["sent_by_kind"]["ours"]
+    assert sent["all_gather"] == pytest.approx(2 * one_pass, rel=0.01), sent
+    assert sent["reduce_scatter"] == pytest.approx(one_pass, rel=0.01), sent
+
+
+@pytest.mark.parametrize("mode, chunks", [("pp", 1), ("pp-interleaved", 2)])
+def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figures, mode, chunks):
+    """With v chunks per rank over 2 ranks there are 2v - 1 stage boundaries; each rank sends, per micro
+    batch, the activations ``[s, 1, h]`` (forward) or their gradients (backward) of 2v - 1 of them."""
+    activation = TINY.seq * TINY.hidden * 4
+    theory = (2 * chunks - 1) * TINY.global_batch * activation
+    for side in ("ours", "peer"):
+        sent = figures[mode]["sent"][side]
+        assert theory <= sent <= theory + SCALARS, (mode, side, figures[mode]["sent_by_kind"][side], theory)
