@@ -33,6 +33,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training.checkpointing import (
+    DIST_COMMON_FILE,
     RESHARD_HINT,
     TRACKER_FILE,
     CheckpointError,
@@ -40,11 +41,11 @@ from megatron_like.training.checkpointing import (
     check_compatible,
     check_same_model,
     checkpoint_dir,
+    is_dist_checkpoint,
     latest_iteration,
     optimizer_is_sharded,
     rank_file,
 )
-from megatron_like.training.dist_checkpointing import COMMON_FILE, is_dist_checkpoint
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -118,7 +119,7 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     if is_dist_checkpoint(root, iteration):
         # torch_dist: DCP checks every key and global shape when it plans the load (one-line error naming
         # the flag); here the one pickled file every rank reads, before any rank trains.
-        common = os.path.join(iteration_dir, COMMON_FILE)
+        common = os.path.join(iteration_dir, DIST_COMMON_FILE)
         if not os.path.isfile(common):
             raise CheckpointError(f"checkpoint file {common} is missing; the torch_dist checkpoint is incomplete")
         check_same_model(read_checkpoint_file(common), config, common)

@@ -187,6 +187,22 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+DIST_COMMON_FILE = "common.pt"
+"""torch_dist: the file of rank 0 with iteration, consumed samples, config, scheduler (dist_checkpointing.py)."""
+DCP_METADATA = ".metadata"
+"""torch_dist: torch.distributed.checkpoint's index of every saved piece."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    """``<root>/iter_XXXXXXX``: the directory of one saved iteration, in both formats."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def is_dist_checkpoint(root: str, iteration: int) -> bool:
+    """Whether ``<root>/iter_XXXXXXX`` was saved with --ckpt-format torch_dist (it holds DCP's index)."""
+    return os.path.exists(os.path.join(iteration_dir(root, iteration), DCP_METADATA))
+
+
 def check_same_model(saved: dict, config: Config, path: str) -> None:
     """Refuse a checkpoint (its saved ``config``) whose model shape or architecture differs from this run's."""
     saved_model = saved["config"]["model"]
@@ -254,9 +270,9 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
-    from megatron_like.training import dist_checkpointing  # it imports this module
+    if is_dist_checkpoint(root, iteration):  # either format loads, whatever --ckpt-format
+        from megatron_like.training import dist_checkpointing  # it imports this module
 
-    if dist_checkpointing.is_dist_checkpoint(root, iteration):  # either format loads, whatever --ckpt-format
         return dist_checkpointing.load_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler)
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)

@@ -74,17 +74,10 @@ from megatron_like.optimizer.sharded_state import (
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import checkpointing as ckpt
 
-COMMON_FILE = "common.pt"
-DCP_METADATA = ".metadata"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def is_dist_checkpoint(root: str, iteration: int) -> bool:
-    """Whether ``<root>/iter_XXXXXXX`` was saved with --ckpt-format torch_dist (it holds DCP's index)."""
-    return os.path.exists(os.path.join(iteration_dir(root, iteration), DCP_METADATA))
+# Format detection lives in checkpointing.py, which every run imports: this module pulls in DCP (and
+# DTensor, sympy: ~0.8 s per process) and is imported only by runs that read or write torch_dist.
+COMMON_FILE, DCP_METADATA = ckpt.DIST_COMMON_FILE, ckpt.DCP_METADATA
+iteration_dir, is_dist_checkpoint = ckpt.iteration_dir, ckpt.is_dist_checkpoint
 
 
 def _rng_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:

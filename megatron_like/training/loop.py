@@ -30,7 +30,6 @@ from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
-from megatron_like.training.dist_checkpointing import wait_for_async_save
 from megatron_like.training.job_lock import hold_checkpoint_directory
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
@@ -311,7 +310,10 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if test_iter is not None and log.eval_iters > 0:
             logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),
                               split="test")
-    wait_for_async_save()  # --async-save: the last checkpoint is complete and named before the run returns
+    if config.checkpoint.async_save:  # the last checkpoint is complete and named before the run returns
+        from megatron_like.training.dist_checkpointing import wait_for_async_save
+
+        wait_for_async_save()
     exit_conditions.close()
     logger.close()
     lock.release()
