@@ -45,6 +45,16 @@ ISSUE_FLAGS = [
 ]
 
 
+def in_process_losses(flags: list[str]) -> dict[int, float]:
+    """``{iteration: lm loss}`` of the one-process run of ``flags``, trained in this process: the code and
+    flags ``torchrun --nproc_per_node 1`` would run, without starting a launcher and a worker (~10 s each).
+    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change."""
+    from tests.distributed.gpt_runs import train_gpt
+
+    losses = train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])["losses"]
+    return dict(enumerate(losses, start=1))
+
+
 def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:
     """Launch ``script`` on ``nproc`` CPU processes; return stdout (raise with the output on failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

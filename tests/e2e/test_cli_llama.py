@@ -20,7 +20,7 @@ from megatron_like.config import build_parser
 from megatron_like.data.tokenizer import build_tokenizer
 from megatron_like.inference import GenerationParams, generate, load_inference_model
 from megatron_like.parallel_state import ParallelState
-from tests.e2e.cli import ISSUE_FLAGS, ROOT, logged_losses, run_data_tool, torchrun
+from tests.e2e.cli import ISSUE_FLAGS, ROOT, in_process_losses, logged_losses, run_data_tool, torchrun
 
 LLAMA_FLAGS = ISSUE_FLAGS + [
     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
@@ -32,12 +32,7 @@ TP2_PP2_SP = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-si
 
 @functools.cache
 def single_process_losses() -> dict[int, float]:
-    """The one-process run, in this process (what ``torchrun --nproc_per_node 1`` logs: same code and flags;
-    the last two override the test harness's BASE_FLAGS back to the command line's defaults)."""
-    from tests.distributed.gpt_runs import train_gpt
-
-    losses = train_gpt(0, 1, LLAMA_FLAGS + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])["losses"]
-    return dict(enumerate(losses, start=1))
+    return in_process_losses(LLAMA_FLAGS)
 
 
 def assert_same_losses(losses: dict[int, float], iterations: range) -> None:

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from tests.e2e.cli import logged_losses, torchrun
+from tests.e2e.cli import in_process_losses, logged_losses, torchrun
 
 # The command of the "Done when", without the launcher and the layout flags.
 PIPELINE_FLAGS = [
@@ -20,7 +20,7 @@ PIPELINE_FLAGS = [
 
 @functools.cache
 def single_process_losses() -> dict[int, float]:
-    return logged_losses(torchrun(1, PIPELINE_FLAGS))
+    return in_process_losses(PIPELINE_FLAGS)
 
 
 @pytest.mark.parametrize(

@@ -6,12 +6,12 @@ import functools
 
 import pytest
 
-from tests.e2e.cli import ISSUE_FLAGS, logged_losses, torchrun
+from tests.e2e.cli import ISSUE_FLAGS, in_process_losses, logged_losses, torchrun
 
 
 @functools.cache
 def single_process_losses() -> dict[int, float]:
-    return logged_losses(torchrun(1, ISSUE_FLAGS + ["--tensor-model-parallel-size", "1"]))
+    return in_process_losses(ISSUE_FLAGS)
 
 
 def test_single_process_loss_falls():
