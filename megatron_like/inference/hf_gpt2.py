@@ -132,6 +132,19 @@ def to_hf_state(full: dict[str, torch.Tensor], model: ModelConfig, vocab_size: i
     return {k: v.float().contiguous().clone() for k, v in out.items()}
 
 
+def finish_full_state(full: dict[str, torch.Tensor], model: ModelConfig,
+                      padded_vocab_size: int) -> dict[str, torch.Tensor]:
+    """The last step of every HF converter: pad the vocabulary rows ``[v, h] -> [padded_vocab_size, h]`` with
+    zeros, check an untied model got its head, and return fp32 contiguous copies."""
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in full:
+            t = full[name]
+            full[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], t.shape[1])])
+    if model.untie_embeddings_and_output_weights and "output_layer.weight" not in full:
+        raise KeyError("config says tie_word_embeddings=False but there is no lm_head.weight")
+    return {k: v.float().contiguous().clone() for k, v in full.items()}
+
+
 def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_size: int) -> dict[str, torch.Tensor]:
     """Our full state (vocabulary zero-padded to ``padded_vocab_size``) of HF GPT-2 tensors."""
     heads = model.num_attention_heads
@@ -159,13 +172,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_
         if ours.startswith("attention.qkv."):
             tensor = _qkv_hf_to_ours(tensor, heads)
         full[f"layers.{layer}.{ours}"] = tensor
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in full:
-            t = full[name]
-            full[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], t.shape[1])])
-    if model.untie_embeddings_and_output_weights and "output_layer.weight" not in full:
-        raise KeyError("config says tie_word_embeddings=False but there is no lm_head.weight")
-    return {k: v.float().contiguous().clone() for k, v in full.items()}
+    return finish_full_state(full, model, padded_vocab_size)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron_like.config import ModelConfig
+from megatron_like.inference.hf_gpt2 import finish_full_state
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -169,10 +170,4 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_
             full[f"layers.{layer}.{reverse_layer[rest]}"] = tensor
         elif not rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.", "mlp.up_proj.")):
             raise KeyError(f"unexpected tensor {name!r} in a Llama-family checkpoint")
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in full:
-            t = full[name]
-            full[name] = torch.cat([t, t.new_zeros(padded_vocab_size - t.shape[0], t.shape[1])])
-    if model.untie_embeddings_and_output_weights and "output_layer.weight" not in full:
-        raise KeyError("config says tie_word_embeddings=False but there is no lm_head.weight")
-    return {k: v.float().contiguous().clone() for k, v in full.items()}
+    return finish_full_state(full, model, padded_vocab_size)

@@ -8,12 +8,12 @@ import os
 import sys
 
 import pytest
-from torch.profiler import ProfilerActivity, profile
 
 from megatron_like.config import parse_config
 from megatron_like.pipeline_parallel.schedules import interleaved_steps, one_f_one_b_steps
 from megatron_like.planning.activations import microbatches_alive
 from megatron_like.planning.simulator import GIB, plan_run
+from tests.peak_memory import peak_live_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
@@ -41,14 +41,8 @@ def _measured_peak_bytes(flags: tuple[str, ...]) -> int:
     config = parse_config(flags, world_size=1)
     vocab = config.padded_vocab_size(config.model.vocab_size)
     provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        pretrain(config, provider, pretrain_gpt.forward_step, pretrain_gpt.datasets_provider, padded_vocab_size=vocab)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    alive = peak = 0
-    for event in events:
-        alive += event.nbytes()
-        peak = max(peak, alive)
+    peak, _ = peak_live_bytes(lambda: pretrain(config, provider, pretrain_gpt.forward_step,
+                                               pretrain_gpt.datasets_provider, padded_vocab_size=vocab))
     return peak
 
 
