@@ -1,6 +1,6 @@
 """RMSNorm over the last dimension (Llama's normalization) in one pass forward and one backward.
 
-``fused_rms_norm(x, weight, eps)`` has the contract of ``megatron_like.model.norms.rms_norm``: the
+``fused_rms_norm(x, weight, eps)`` has the contract of :func:`rms_norm_reference` (the model's ``rms_norm``): the
 statistics are float32 (float64 for float64 input), the normalized row is cast to ``x``'s dtype and then
 multiplied by the weight. The kernel saves only ``x`` and the per-row ``rstd`` and reduces the weight
 gradient over rows in the same backward pass; the PyTorch path runs those same ops under autograd.
@@ -13,8 +13,9 @@ import torch
 from megatron_like.kernels._common import accum_dtype, dtype_code, pick_kernel
 
 
-def _rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The fallback: the reference's ops (statistics in float32, float64 for float64), under autograd."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The contract (and the fallback): ``x / sqrt(mean(x^2) + eps) * weight`` over the last dim ``[..., h]``,
+    statistics in float32 (float64 for float64), the normalized rows cast to ``x``'s dtype before the weight."""
     xa = x.to(accum_dtype(x.dtype))
     normalized = xa * torch.rsqrt(xa.pow(2).mean(-1, keepdim=True) + eps)
     return normalized.to(x.dtype) * weight
@@ -45,7 +46,7 @@ class FusedRMSNorm(torch.autograd.Function):
         if kernel is None:  # the compiled path went away between passes (MEGATRON_LIKE_NO_CSRC set)
             with torch.enable_grad():
                 xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
-                dx, dweight = torch.autograd.grad(_rms_norm_torch(xg, wg, ctx.eps), (xg, wg), dout)
+                dx, dweight = torch.autograd.grad(rms_norm_reference(xg, wg, ctx.eps), (xg, wg), dout)
             return dx, dweight if ctx.needs_input_grad[1] else None, None, None, None
         module, last_arg = kernel
         dout = dout.contiguous()
@@ -71,5 +72,5 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         raise ValueError(f"fused_rms_norm: weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
     kernel = pick_kernel("rms_norm", x, weight) if x.numel() else None
     if kernel is None:
-        return _rms_norm_torch(x, weight, eps)
+        return rms_norm_reference(x, weight, eps)
     return FusedRMSNorm.apply(x, weight, eps, *kernel)

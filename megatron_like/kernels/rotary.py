@@ -1,6 +1,6 @@
 """Rotary position embedding applied to query or key heads in one pass forward and one backward.
 
-``fused_apply_rotary(x, cos, sin)`` has the contract of ``megatron_like.model.rotary.apply_rotary``:
+``fused_apply_rotary(x, cos, sin)`` has the contract of :func:`apply_rotary_reference` (the model's ``apply_rotary``):
 ``x [b, heads, s, head_dim]``, tables ``[s, rotary_dim]`` cast to ``x``'s dtype, the "rotate half"
 pairs (i, i + rotary_dim / 2) rotated and ``x[..., rotary_dim:]`` passed through. The unfused ops slice,
 negate, concatenate and multiply (six passes, more in backward); the kernel reads each row once, takes
@@ -16,8 +16,13 @@ import torch
 from megatron_like.kernels._common import accum_dtype, dtype_code, pick_kernel
 
 
-def _apply_rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The fallback: the reference's ops, under autograd."""
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The contract (and the fallback): rotate ``x [b, heads, s, head_dim]`` by ``cos, sin [s, rotary_dim]``.
+
+    ``x[..., :rotary_dim]`` becomes ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) =
+    [-x2, x1]``; ``x[..., rotary_dim:]`` is unchanged. The tables are cast to ``x``'s dtype first (as
+    Megatron-LM), so 16-bit runs rotate in 16-bit.
+    """
     rotary_dim = cos.shape[-1]
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
@@ -52,7 +57,7 @@ class FusedRotary(torch.autograd.Function):
         if kernel is None:  # the compiled path went away between passes (MEGATRON_LIKE_NO_CSRC set)
             with torch.enable_grad():
                 leaf = torch.zeros_like(dout).requires_grad_()
-                (dx,) = torch.autograd.grad(_apply_rotary_torch(leaf, cos, sin), leaf, dout)
+                (dx,) = torch.autograd.grad(apply_rotary_reference(leaf, cos, sin), leaf, dout)
             return dx, None, None, None, None
         return _rotate(*kernel, dout, cos, sin, backward=True), None, None, None, None
 
@@ -72,6 +77,6 @@ def fused_apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     )
     kernel = pick_kernel("rotary", x) if fits else None
     if kernel is None:
-        return _apply_rotary_torch(x, cos, sin)
+        return apply_rotary_reference(x, cos, sin)
     acc = accum_dtype(x.dtype)
     return FusedRotary.apply(x, cos.to(acc).contiguous(), sin.to(acc).contiguous(), *kernel)

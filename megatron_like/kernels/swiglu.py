@@ -1,6 +1,6 @@
 """SwiGLU on interleaved (gate, up) pairs in one pass forward and one backward.
 
-``fused_swiglu(gate_up)`` has the contract of ``megatron_like.model.transformer.swiglu``: ``gate_up``
+``fused_swiglu(gate_up)`` has the contract of :func:`swiglu_reference` (the model's ``swiglu``): ``gate_up``
 ``[..., 2 f]`` holds gate feature i at column ``2 i`` and its up feature at ``2 i + 1``, and the result
 ``[..., f]`` is ``silu(gate) * up`` (silu rounded to the input dtype, then the product). The unfused ops
 read the strided halves twice and autograd stacks the two gradients back together; the kernel reads
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from megatron_like.kernels._common import dtype_code, pick_kernel
 
 
-def _swiglu_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """The fallback: the reference's ops, under autograd."""
+def swiglu_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """The contract (and the fallback): ``[..., 2 f]`` (gate, up) pairs -> ``[..., f]``, ``silu(gate) * up``."""
     gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
     return F.silu(gate) * up
 
@@ -41,7 +41,7 @@ class FusedSwiGLU(torch.autograd.Function):
         if kernel is None:  # the compiled path went away between passes (MEGATRON_LIKE_NO_CSRC set)
             with torch.enable_grad():
                 leaf = gate_up.detach().requires_grad_()
-                (dgate_up,) = torch.autograd.grad(_swiglu_torch(leaf), leaf, dy)
+                (dgate_up,) = torch.autograd.grad(swiglu_reference(leaf), leaf, dy)
             return dgate_up, None, None
         module, last_arg = kernel
         dy = dy.contiguous()
@@ -58,5 +58,5 @@ def fused_swiglu(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"fused_swiglu: the last dimension must be even (gate, up) pairs, got {gate_up.shape[-1]}")
     kernel = pick_kernel("swiglu", gate_up) if gate_up.numel() else None
     if kernel is None:
-        return _swiglu_torch(gate_up)
+        return swiglu_reference(gate_up)
     return FusedSwiGLU.apply(gate_up, *kernel)

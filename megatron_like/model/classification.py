@@ -19,8 +19,9 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.model.gpt import GPTEmbedding
+from megatron_like.model.norms import build_norm
 from megatron_like.model.state import chunk_state, load_full_state
-from megatron_like.model.transformer import TransformerLayer, forward_layers, layer_norm
+from megatron_like.model.transformer import TransformerLayer, forward_layers
 from megatron_like.model.vit import replicated_parameter
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import gather_from_sequence_parallel_region, load_initial_values
@@ -53,7 +54,7 @@ class GPTClassificationModel(nn.Module):
             TransformerLayer(config, ps, layer, seed, sequence_parallel, dtype) for layer in layers
         )
         if post_process:
-            self.final_layernorm = layer_norm(config, sequence_parallel, dtype, ps.device)
+            self.final_layernorm = build_norm(config, sequence_parallel, dtype, ps.device)
             self.head_weight = replicated_parameter((num_classes, config.hidden_size), config.init_method_std, seed,
                                                     "classification_head.weight", dtype, ps.device)
 

@@ -12,11 +12,11 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_vocab_cross_entropy
+from megatron_like.model.norms import build_norm
 from megatron_like.model.transformer import (
     TransformerLayer,
     embeddings_to_layers,
     forward_layers,
-    layer_norm,
 )
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
@@ -110,7 +110,7 @@ class GPTModel(nn.Module):
             TransformerLayer(config, ps, layer, seed, sequence_parallel, dtype) for layer in layers
         )
         if post_process:
-            self.final_layernorm = layer_norm(config, sequence_parallel, dtype, ps.device)
+            self.final_layernorm = build_norm(config, sequence_parallel, dtype, ps.device)
             # Tied weights: the first stage reuses its embedding; a separate last stage holds a copy
             # drawn from the same generator (so it starts equal) whose gradient is all-reduced with the
             # first stage's over the embedding group every step.

@@ -13,18 +13,8 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_rms_norm
+from megatron_like.kernels.rms_norm import rms_norm_reference as rms_norm  # noqa: F401 (the contract)
 from megatron_like.tensor_parallel import mark_replicated, new_parameter, zeros_parameter
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dimension: ``[..., h]`` -> same shape and dtype.
-
-    The statistics are computed in float32 (as Megatron-LM and Hugging Face Llama); the normalized rows are
-    cast back to ``x``'s dtype before the weight multiplies them. The one function a fused kernel replaces.
-    """
-    x32 = x.float()
-    normalized = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return normalized.to(x.dtype) * weight
 
 
 class RMSNorm(nn.Module):

@@ -7,12 +7,15 @@ dimensions pass through. Positions are those of the *full* sequence: attention r
 linear has gathered the sequence-parallel shards, and in generation the positions start at the number
 of cached tokens.
 
-``apply_rotary`` is the one function a fused kernel replaces: same arguments, same result.
+``apply_rotary`` is the contract the fused kernel meets (``kernels/rotary.py``, which holds the PyTorch
+version below the model's floor; the model calls ``fused_apply_rotary``).
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_like.kernels.rotary import apply_rotary_reference as apply_rotary  # noqa: F401 (re-export)
 
 
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,18 +28,3 @@ def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tup
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (s, rotary_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (s, rotary_dim)
     return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [b, heads, s, head_dim]`` by ``cos, sin [s, rotary_dim]``; same shape and dtype as ``x``.
-
-    ``x[..., :rotary_dim]`` becomes ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) =
-    [-x2, x1]``; ``x[..., rotary_dim:]`` is unchanged. The tables are cast to ``x``'s dtype first (as
-    Megatron-LM), so 16-bit runs rotate in 16-bit.
-    """
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-    x1, x2 = rotated.chunk(2, dim=-1)
-    rotated = rotated * cos + torch.cat([-x2, x1], dim=-1) * sin
-    return torch.cat([rotated, passed], dim=-1) if passed.shape[-1] else rotated

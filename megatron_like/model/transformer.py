@@ -33,6 +33,7 @@ from megatron_like.kernels import (
     scaled_masked_softmax,
     scaled_upper_triang_masked_softmax,
 )
+from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.norms import build_norm
 from megatron_like.model.rotary import rotary_cos_sin
 from megatron_like.parallel_state import ParallelState
@@ -44,20 +45,6 @@ from megatron_like.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from megatron_like.tensor_parallel.random import checkpoint
-
-layer_norm = build_norm
-"""The model's --normalization (LayerNorm or RMSNorm); the older name the model files import."""
-
-
-def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on the first MLP linear's output: ``[..., 2 f]`` -> ``[..., f]``, ``silu(gate) * up``.
-
-    The features come in (gate, up) pairs: ``gate_up[..., 2 i]`` is gate feature i and ``gate_up[..., 2 i + 1]``
-    its up feature. Pairs keep a contiguous tensor-parallel slice of the fused weight holding matching gate
-    and up rows at any tp (see MLP). The one function a fused kernel replaces.
-    """
-    gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(gate) * up
 
 
 def sharded_dropout_context(sequence_parallel: bool):
@@ -246,9 +233,9 @@ class TransformerLayer(nn.Module):
         self.layer = layer
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = config.hidden_dropout
-        self.ln1 = layer_norm(config, sequence_parallel, dtype, ps.device)
+        self.ln1 = build_norm(config, sequence_parallel, dtype, ps.device)
         self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
-        self.ln2 = layer_norm(config, sequence_parallel, dtype, ps.device)
+        self.ln2 = build_norm(config, sequence_parallel, dtype, ps.device)
         self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
 
     def dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ConfigError, ModelConfig
-from megatron_like.model.transformer import TransformerLayer, embeddings_to_layers, forward_layers, layer_norm
+from megatron_like.model.norms import build_norm
+from megatron_like.model.transformer import TransformerLayer, embeddings_to_layers, forward_layers
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     gather_from_sequence_parallel_region,
@@ -142,7 +143,7 @@ class ViTModel(nn.Module):
             TransformerLayer(config, ps, layer, seed, sequence_parallel, dtype, causal=False) for layer in layers
         )
         if post_process:
-            self.final_layernorm = layer_norm(config, sequence_parallel, dtype, ps.device)
+            self.final_layernorm = build_norm(config, sequence_parallel, dtype, ps.device)
             h, c = config.hidden_size, vision.num_classes
             self.head_weight = replicated_parameter((c, h), config.init_method_std, seed, "head.weight", dtype,
                                                     ps.device)
