@@ -10,13 +10,14 @@ subdomains. Summary counts by reason go to stderr. Exit status: 0 done, 1 fatal,
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter
 from urllib.parse import urlsplit
 
 import _common
+
+from megatron_like.config import QuietArgumentParser
 
 # Sites whose links are mostly media, link aggregators or walls of comments (after GPT-2's WebText).
 _DEFAULT_DOMAINS_TEXT = (
@@ -57,7 +58,7 @@ def url_verdict(url: str, domains: frozenset[str], extensions: frozenset[str]) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="text file of URLs or jsonl (with --url-key)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--url-key", default=None, help="jsonl field holding the URL")

@@ -18,6 +18,8 @@ from collections import Counter
 import _common
 import regex
 
+from megatron_like.config import QuietArgumentParser
+
 # The most frequent English function words; their share of the words separates English from other
 # languages and from code or tables (GPT-2's WebText used langdetect for the same purpose).
 _COMMON_ENGLISH_TEXT = (
@@ -87,7 +89,7 @@ def clean_batch(lines: list[bytes]) -> list[tuple[str, str | None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="jsonl(.gz) file, directory or glob")
     parser.add_argument("--output", required=True, help="cleaned jsonl (.gz to compress)")
     parser.add_argument("--text-key", default="text")

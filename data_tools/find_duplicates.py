@@ -24,6 +24,8 @@ from collections import defaultdict
 import _common
 import numpy as np
 
+from megatron_like.config import QuietArgumentParser
+
 
 def _area(y: np.ndarray, x: np.ndarray) -> float:
     """Trapezoid-rule integral of ``y`` over ``x`` (numpy 2 renamed np.trapz to np.trapezoid: this works on both)."""
@@ -145,7 +147,7 @@ def _sign_batch(batch: list[tuple[int, bytes]]) -> list[tuple[int, str | None, n
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="jsonl(.gz) file, directory or glob")
     parser.add_argument("--output", required=True, help="pairs jsonl")
     parser.add_argument("--text-key", default="text")

@@ -8,11 +8,12 @@ document similar to one that is similar to a third lands in one group with both 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import _common
+
+from megatron_like.config import QuietArgumentParser
 
 
 class UnionFind:
@@ -41,7 +42,7 @@ class UnionFind:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="pairs jsonl from find_duplicates.py")
     parser.add_argument("--output", required=True, help="groups jsonl")
     parser.add_argument("--threshold", type=float, default=0.0, help="ignore pairs below this Jaccard")

@@ -10,13 +10,14 @@ Output is deterministic for a given Python version and stops at ``--max-mb`` meg
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import os
 import sys
 import sysconfig
 from collections.abc import Iterator
+
+from megatron_like.config import QuietArgumentParser
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "lib2to3"}
 
@@ -53,7 +54,7 @@ def docstrings(path: str, root: str) -> Iterator[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="jsonl file to write")
     parser.add_argument("--max-mb", type=float, default=4.0, help="stop after this many megabytes")
     parser.add_argument("--min-chars", type=int, default=200, help="shortest docstring kept")

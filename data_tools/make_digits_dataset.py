@@ -14,10 +14,11 @@ about 96% top-1 on such a split and an RBF SVM about 99%.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import numpy as np
+
+from megatron_like.config import QuietArgumentParser
 
 CLASSES = [str(d) for d in range(10)]
 
@@ -43,7 +44,7 @@ def digit_pixels(image: np.ndarray, image_size: int) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--image-size", type=int, default=32, help="output side in pixels, a multiple of 8")
     parser.add_argument("--val-fraction", type=float, default=0.2)

@@ -10,16 +10,16 @@ draws the same kind of images in memory). Output is deterministic for a given ``
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import _common  # noqa: F401 - puts the repo on sys.path when run from a checkout
 
+from megatron_like.config import QuietArgumentParser
 from megatron_like.data.image_folder import write_image_folder
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--train", type=int, default=2000, help="training images")
     parser.add_argument("--val", type=int, default=400, help="validation images")

@@ -16,10 +16,11 @@ vocabulary (fast CPU runs); GPT-2's BPE works on the same files.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
+
+from megatron_like.config import QuietArgumentParser
 
 ACTORS = ["the company", "the committee", "the minister", "the bank", "the court", "the council", "the team",
           "the agency", "the union", "the hospital"]
@@ -91,7 +92,7 @@ def write_word_tokenizer(path: str, examples: list[dict[str, object]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", required=True, help="writes train.<fmt> and dev.<fmt> here")
     parser.add_argument("--train", type=int, default=2000, help="training examples")
     parser.add_argument("--dev", type=int, default=400, help="dev examples")

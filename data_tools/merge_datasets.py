@@ -10,12 +10,12 @@ Exit status: 0 merged, 1 on a missing, corrupt or mismatched input (nothing writ
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import _common  # noqa: F401 - puts the repo on sys.path when run from a checkout
 
+from megatron_like.config import QuietArgumentParser
 from megatron_like.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
 
 
@@ -42,7 +42,7 @@ def merge(prefixes: list[str], output_prefix: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes or one directory")
     parser.add_argument("--output-prefix", required=True, help="writes <output-prefix>.bin and .idx")
     args = parser.parse_args(argv)

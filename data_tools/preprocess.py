@@ -33,6 +33,7 @@ import _common  # noqa: F401 - puts the repo on sys.path when run from a checkou
 import numpy as np
 import regex
 
+from megatron_like.config import QuietArgumentParser
 from megatron_like.data.indexed_dataset import IndexedDatasetBuilder, best_fitting_dtype
 from megatron_like.data.tokenizer import build_tokenizer
 
@@ -434,7 +435,7 @@ def report(stats: Stats, prefixes: dict[str, str], elapsed: float, stream=sys.st
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Return the parsed command line (Megatron's preprocess_data.py flags)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", required=True, help="jsonl(.gz) file, directory of them, or glob")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys of the text fields to binarize")

@@ -8,15 +8,16 @@ number from 0 over the same input files in the same order.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import _common
 
+from megatron_like.config import QuietArgumentParser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="the corpus given to find_duplicates.py")
     parser.add_argument("--groups", required=True, help="groups jsonl from group_duplicates.py")
     parser.add_argument("--output", required=True)

@@ -8,7 +8,6 @@ is shuffled in memory and appended to the output. Memory holds one bucket (about
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -16,9 +15,11 @@ import tempfile
 
 import _common
 
+from megatron_like.config import QuietArgumentParser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="jsonl(.gz) file, directory or glob")
     parser.add_argument("--output", required=True)
     parser.add_argument("--seed", type=int, default=1234)

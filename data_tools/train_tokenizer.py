@@ -10,12 +10,13 @@ Training uses Hugging Face ``tokenizers`` (Rust); the same corpus and settings g
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import _common
+
+from megatron_like.config import QuietArgumentParser
 
 EOD = "<|endoftext|>"
 
@@ -61,7 +62,7 @@ def train(files: list[str], key: str, vocab_size: int, min_frequency: int, outpu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", required=True, help="jsonl(.gz) file, directory or glob")
     parser.add_argument("--output-dir", required=True, help="writes vocab.json, merges.txt, tokenizer.json")
     parser.add_argument("--json-key", default="text")

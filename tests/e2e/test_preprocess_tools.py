@@ -193,3 +193,14 @@ def test_shuffle_is_a_seeded_permutation(tmp_path):
         outs.append((tmp_path / f"{name}.jsonl").read_text().splitlines())
     assert sorted(outs[0]) == sorted(lines) and outs[0] != lines
     assert outs[0] == outs[1] and outs[0] != outs[2]
+
+
+def test_bad_command_line_is_one_line_for_every_data_tool():
+    """A mistyped flag prints one line with a --help hint (QuietArgumentParser), not argparse's usage block."""
+    folder = Path(__file__).parents[2] / "data_tools"
+    tools = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith("_"))
+    assert "preprocess.py" in tools
+    for name in tools:
+        proc = run_tool(name, "--no-such-flag", check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and "--help" in lines[0], (name, proc.stderr)
