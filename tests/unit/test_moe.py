@@ -134,3 +134,21 @@ def test_experts_and_layer_equal_a_loop_over_tokens() -> None:
 def test_moe_layer_freq_forms() -> None:
     assert parse_moe_layer_freq("2", 4) == [True, False, True, False]
     assert parse_moe_layer_freq("([1]*3+[0]*1)*2", 8) == [True, True, True, False] * 2
+
+
+def test_flops_count_the_active_parameters_of_moe_layers() -> None:
+    from megatron_like.config import Config
+    from megatron_like.model import GPTModel
+    from megatron_like.training.metrics import matmul_parameters
+
+    # top-k = E: every expert is active, so the active parameters are all the model's matmul weights
+    model_config = moe_config(num_experts=2, moe_router_topk=2, moe_shared_expert_intermediate_size=8,
+                              position_embedding_type="rope", normalization="RMSNorm",
+                              untie_embeddings_and_output_weights=True, moe_layer_freq="[1,0]")
+    model = GPTModel(model_config, ParallelState.single_process(torch.device("cpu")), vocab_size=32, seed=0)
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if "ln" not in name and "layernorm" not in name and "word_embeddings" not in name)
+    assert matmul_parameters(Config(model=model_config), 32) == weights
+    top1 = Config(model=moe_config(num_experts=2, moe_router_topk=1, moe_layer_freq="[1,0]"))
+    assert matmul_parameters(top1, 32) < matmul_parameters(Config(model=moe_config(moe_layer_freq="[1,0]",
+                                                                                   num_experts=2)), 32)
