@@ -152,3 +152,12 @@ def test_flops_count_the_active_parameters_of_moe_layers() -> None:
     top1 = Config(model=moe_config(num_experts=2, moe_router_topk=1, moe_layer_freq="[1,0]"))
     assert matmul_parameters(top1, 32) < matmul_parameters(Config(model=moe_config(moe_layer_freq="[1,0]",
                                                                                    num_experts=2)), 32)
+
+
+def test_no_effect_warnings_of_moe_flags() -> None:
+    from megatron_like.config import no_effect_warnings, parse_config
+
+    base = ["--disable-bias-linear", "--mock-data", "--vocab-size", "64", "--num-experts", "2"]
+    warnings = no_effect_warnings(parse_config(base + ["--moe-token-dispatcher-type", "alltoall"]))
+    assert any("alltoall has no effect" in w for w in warnings)
+    assert not no_effect_warnings(parse_config(base))

@@ -12,6 +12,7 @@ draws from the generator named ``layers.<l>.mlp.experts.<e>.fc1.weight`` (``fc2`
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -30,9 +31,9 @@ from megatron_like.tensor_parallel import (
 )
 from megatron_like.tensor_parallel.initialization import draw_slice
 
-try:  # the grouped GEMM kernel lands in its own change (docs/moe.md); the loop below is the fallback
+if importlib.util.find_spec("megatron_like.kernels.grouped_gemm") is not None:  # lands separately (docs/moe.md)
     from megatron_like.kernels.grouped_gemm import grouped_gemm as _grouped_gemm_kernel
-except ImportError:
+else:  # until then --moe-grouped-gemm runs the per-expert loop below
     _grouped_gemm_kernel = None
 
 
