@@ -138,8 +138,9 @@ class ParallelState:
         return self.pp_global_ranks[(self.pp_rank + offset) % self.pp_size]
 
     def describe(self) -> str:
+        experts = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         return (
-            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}{experts}, "
             f"pp {self.pp_rank}/{self.pp_size} on {self.device} ({self.backend or 'no backend'})"
         )
 
