@@ -157,6 +157,25 @@ def broadcast(tensor: torch.Tensor, src_global_rank: int, group: Group) -> torch
     return tensor
 
 
+def all_to_all(tensor: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int],
+               group: Group) -> torch.Tensor:
+    """All-to-all along dim 0 with uneven splits (expert parallelism's token exchange).
+
+    ``tensor [sum(input_split_sizes), ...]``: rows ``input_split_sizes[j]`` go to rank j of ``group``;
+    returns ``[sum(output_split_sizes), ...]``, the rows from rank 0, then rank 1, ... (``output_split_sizes[j]``
+    from rank j). A group of one returns ``tensor``.
+    """
+    if group is None:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty((sum(output_split_sizes),) + tuple(tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if _traffic is not None:  # what this rank sends to the others (its own rows stay)
+        row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+        _traffic.add("send", (tensor.shape[0] - input_split_sizes[group_rank(group)]) * row, 2)
+    dist.all_to_all_single(out, tensor, output_split_sizes, input_split_sizes, group=group)
+    return out
+
+
 def world_group() -> Group:
     """Every process of the job, or None when no process group was started (one process)."""
     return dist.group.WORLD if dist.is_initialized() else None

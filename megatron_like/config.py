@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import math
 import os
@@ -114,6 +115,41 @@ class ModelConfig:
     """Quantization-aware training: fake int8 quantization (per-channel weights, moving-average per-tensor
     activations, straight-through gradients) in every transformer linear; export with
     megatron_like.quantization.export."""
+    # ---- mixture of experts (docs/moe.md; expert parallelism is --expert-model-parallel-size) ----
+    num_experts: int | None = None
+    """Experts of each MoE layer; without it every MLP is dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = None
+    """Hidden size of each expert's MLP; defaults to --ffn-hidden-size."""
+    moe_layer_freq: str = "1"
+    """Which layers are MoE: N (every N-th layer, from layer 0) or a Python list of 0/1 per layer, e.g.
+    "([1]*3+[0]*1)*2" (Megatron-LM's forms)."""
+    moe_router_load_balancing_type: Literal["aux_loss", "sinkhorn", "none"] = "aux_loss"
+    """'aux_loss': the Switch load-balancing loss; 'sinkhorn': route by Sinkhorn-balanced scores (no loss);
+    'none': plain top-k."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss added to the training loss (Megatron's default 0; 1e-2 is usual)."""
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss, mean(logsumexp(logits)^2) (ST-MoE); None disables it."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts, then top-k (the k probabilities do not sum to 1); default: top-k of the
+    logits, then softmax over those k (Mixtral)."""
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
+    """How tokens reach the experts of other expert-parallel ranks: all-gather every token (then
+    reduce-scatter the outputs) or all-to-all exactly the routed ones."""
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most ceil(factor * tokens * topk / experts) tokens of a micro batch; the rest are
+    dropped (their expert output is zero). None: no capacity, no dropping."""
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """With a capacity: keep each expert's highest-probability tokens, or its first ones in sequence order."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity: every expert gets exactly `capacity` tokens, filled with unrouted tokens of weight 0
+    (fixed shapes)."""
+    moe_grouped_gemm: bool = False
+    """Compute all local experts with one grouped GEMM (megatron_like.kernels.grouped_gemm) instead of a loop."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Hidden size of the shared expert every token also passes through (DeepSeek/Qwen MoE); None: none."""
 
     def validate(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -133,6 +169,7 @@ class ModelConfig:
             value = getattr(self, name)
             _require(0.0 <= value < 1.0, f"{flag_name(name)} {value} must be in [0, 1)")
         self.validate_architecture()
+        self.validate_moe()
         if self.recompute_granularity == "full":
             _require(
                 self.recompute_method is not None,
@@ -177,6 +214,50 @@ class ModelConfig:
             "--add-qkv-bias only matters with --disable-bias-linear (the QKV linear has a bias already)",
         )
 
+    def validate_moe(self) -> None:
+        """Rules of the mixture-of-experts flags that need no layout (the layout rules are in Config.validate)."""
+        if self.num_experts is None:
+            for name in ("moe_ffn_hidden_size", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"):
+                _require(getattr(self, name) is None, f"{flag_name(name)} needs --num-experts")
+            _require(not self.moe_grouped_gemm, "--moe-grouped-gemm needs --num-experts")
+            return
+        e, k = self.num_experts, self.moe_router_topk
+        _require(e >= 1, f"--num-experts {e} must be positive")
+        _require(1 <= k <= e, f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
+        _require(self.disable_bias_linear, "--num-experts needs --disable-bias-linear (experts hold bias-free "
+                 "[experts, in, out] weights, as Megatron-LM's GroupedMLP)")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"{flag_name(name)} {value} must be positive")
+        _require(self.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff {self.moe_aux_loss_coeff} must be >= 0")
+        _require(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
+                 f"--moe-z-loss-coeff {self.moe_z_loss_coeff} must be >= 0")
+        cf = self.moe_expert_capacity_factor
+        _require(cf is None or cf > 0, f"--moe-expert-capacity-factor {cf} must be positive")
+        _require(not self.moe_pad_expert_input_to_capacity or cf is not None,
+                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+        _require(self.moe_router_load_balancing_type != "sinkhorn" or not self.moe_router_pre_softmax,
+                 "--moe-router-pre-softmax does not apply to --moe-router-load-balancing-type sinkhorn")
+        pattern = self.moe_layer_pattern  # raises ConfigError on a malformed --moe-layer-freq
+        _require(len(pattern) == self.num_layers,
+                 f"--moe-layer-freq {self.moe_layer_freq} gives {len(pattern)} layers but --num-layers is "
+                 f"{self.num_layers}")
+
+    @property
+    def moe_layer_pattern(self) -> list[bool]:
+        """Per layer: is it an MoE layer? (All False without --num-experts.)"""
+        if self.num_experts is None:
+            return [False] * self.num_layers
+        return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layer_pattern[layer]
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Hidden size of each expert's MLP."""
+        return self.moe_ffn_hidden_size or self.ffn_size
+
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
@@ -212,6 +293,32 @@ class ModelConfig:
         return self.max_position_embeddings or self.seq_length
 
 
+def parse_moe_layer_freq(value: str, num_layers: int) -> list[bool]:
+    """``--moe-layer-freq``: ``"2"`` -> every 2nd layer from layer 0 is MoE; ``"[1,0,1,1]"`` or
+    ``"([1]*3+[0]*1)*2"`` -> one 0/1 per layer. Only list/int literals, ``+`` and ``*`` are evaluated."""
+
+    def evaluate(node: ast.AST) -> object:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [evaluate(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = evaluate(node.left), evaluate(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ConfigError(f"--moe-layer-freq {value!r} must be an integer or a list expression of 0/1 such as "
+                          "'([1]*3+[0]*1)*2'")
+
+    try:
+        parsed = evaluate(ast.parse(value.strip(), mode="eval").body)
+    except (SyntaxError, TypeError):
+        parsed = None
+    if isinstance(parsed, int) and parsed > 0:
+        return [layer % parsed == 0 for layer in range(num_layers)]
+    if isinstance(parsed, list) and parsed and all(v in (0, 1) for v in parsed):
+        return [bool(v) for v in parsed]
+    raise ConfigError(f"--moe-layer-freq {value!r} must be a positive integer or a list of 0/1 per layer")
+
+
 @dataclass
 class ParallelConfig:
     """How the model and the batch are split across processes."""
@@ -224,6 +331,11 @@ class ParallelConfig:
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
     sequence_parallel: bool = False
     """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
+    expert_model_parallel_size: int = 1
+    """Processes that split the experts of each MoE layer; an expert-parallel group is ep consecutive ranks of
+    a data-parallel group (Megatron-LM's layout, docs/moe.md)."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallelism inside each expert; defaults to (and currently must equal) --tensor-model-parallel-size."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (same as --zero-stage 1)."""
     zero_stage: int = 0
@@ -238,7 +350,7 @@ class ParallelConfig:
     """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
 
     def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             value = getattr(self, name)
             _require(value >= 1, f"{flag_name(name)} {value} must be at least 1")
         _require(self.zero_stage in (0, 1, 2, 3), f"--zero-stage {self.zero_stage} must be 0, 1, 2 or 3")
@@ -556,6 +668,7 @@ class Config:
                 f"--pipeline-model-parallel-size {pp})",
             )
         dp = self.data_parallel_size
+        self.validate_moe_layout()
         if t.global_batch_size is not None:
             _require(
                 t.global_batch_size % (t.micro_batch_size * dp) == 0,
@@ -575,6 +688,34 @@ class Config:
                 "--mock-data and the NullTokenizer need a positive --vocab-size",
             )
         return self
+
+    def validate_moe_layout(self) -> None:
+        """Expert parallelism's rules (Megatron-LM's): ep divides the experts and the data-parallel size."""
+        m, p = self.model, self.parallel
+        tp, ep, dp = p.tensor_model_parallel_size, p.expert_model_parallel_size, self.data_parallel_size
+        etp = p.expert_tensor_parallel_size
+        _require(etp is None or etp == tp,
+                 f"--expert-tensor-parallel-size {etp} must equal --tensor-model-parallel-size {tp} (each expert is "
+                 "split like the dense MLP; other expert tp sizes are not supported yet)")
+        if m.num_experts is None:
+            _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+            return
+        _require(m.num_experts % ep == 0,
+                 f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        _require(dp % ep == 0,
+                 f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world size "
+                 f"{self.world_size} / (tp {tp} * pp {p.pipeline_model_parallel_size})); expert-parallel groups "
+                 "live inside data parallelism")
+        _require(m.moe_ffn_size % tp == 0,
+                 f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+        shared = m.moe_shared_expert_intermediate_size
+        _require(shared is None or shared % tp == 0,
+                 f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+        ckpt = self.checkpoint
+        _require(ep == 1 or not (ckpt.save or ckpt.load),
+                 "--save/--load with --expert-model-parallel-size > 1 are not supported yet (each expert-parallel "
+                 "rank holds different experts); train with ep 1 to checkpoint")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "world_size"}
@@ -716,6 +857,12 @@ def no_effect_warnings(config: Config) -> list[str]:
         warnings.append("--overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)")
     if config.checkpoint.save_interval and not config.checkpoint.save:
         warnings.append("--save-interval has no effect without --save")
+    m = config.model
+    if m.num_experts is not None and p.expert_model_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall":
+        warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
+    if m.moe_grouped_gemm and importlib.util.find_spec("megatron_like.kernels.grouped_gemm") is None:
+        warnings.append("--moe-grouped-gemm: no grouped GEMM kernel in this install (megatron_like.kernels."
+                        "grouped_gemm); the experts run one matmul each")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
     return warnings

@@ -4,6 +4,11 @@ Rank layout (docs/design.md §3): tensor-parallel innermost, then data-parallel,
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
+Expert parallelism (docs/moe.md) splits each data-parallel group into groups of ``ep`` consecutive
+data-parallel ranks (Megatron-LM's layout): ``ep_rank = dp_rank % ep`` picks the experts a rank holds,
+``expert_dp_rank = dp_rank // ep`` numbers the ranks holding the same experts (the expert-data-parallel
+group, over which expert gradients are reduced and ZeRO shards them).
+
 Every other module gets its groups and its device from a :class:`ParallelState` that is passed in;
 nothing else in the codebase calls ``torch.distributed.new_group`` or picks a device.
 A ``ParallelState.single_process()`` needs no process group at all: it is what the equivalence tests
@@ -72,6 +77,12 @@ class ParallelState:
     """tp x pp ranks that hold one full model replica (for the global grad norm)."""
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage of one (dp, tp) position: they share the word embedding."""
+    ep_size: int = 1
+    """Expert-parallel size (divides dp_size)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The ``ep`` consecutive data-parallel ranks that split the experts (same tp and pp rank)."""
+    expert_dp_group: dist.ProcessGroup | None = None
+    """Data-parallel ranks holding the same experts (``dp / ep`` of them): expert gradients reduce here."""
     pp_global_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this process's pipeline group, by stage (for send/recv)."""
     dp_global_ranks: list[int] = field(default_factory=lambda: [0])
@@ -89,6 +100,18 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return (self.rank // self.tp_size) % self.dp_size
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep_size
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_size // self.ep_size
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_rank // self.ep_size
 
     @property
     def pp_rank(self) -> int:
@@ -115,8 +138,9 @@ class ParallelState:
         return self.pp_global_ranks[(self.pp_rank + offset) % self.pp_size]
 
     def describe(self) -> str:
+        experts = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
         return (
-            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}, "
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}{experts}, "
             f"pp {self.pp_rank}/{self.pp_size} on {self.device} ({self.backend or 'no backend'})"
         )
 
@@ -156,7 +180,10 @@ class ParallelState:
             device_id = device if backend == "nccl" else None
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id,
                                     **_restart_safe_store(timeout))
-        state = cls(tp_size=tp, pp_size=pp, dp_size=world_size // (tp * pp), rank=dist.get_rank())
+        dp, ep = world_size // (tp * pp), parallel.expert_model_parallel_size
+        if dp % ep != 0:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}")
+        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, rank=dist.get_rank())
         state.device, state.backend = device, backend
         state._build_groups()
         return state
@@ -197,11 +224,30 @@ class ParallelState:
             group = make(ranks)
             if me in ranks:
                 self.model_parallel_group = group
+        ep = self.ep_size
+        if ep > 1:  # expert-parallel and expert-data-parallel groups split each data-parallel group
+            for p in range(pp):
+                for t in range(tp):
+                    dp_ranks = [self.rank_of(t, d, p) for d in range(dp)]
+                    for start in range(0, dp, ep):
+                        ranks = dp_ranks[start : start + ep]
+                        group = make(ranks)
+                        if me in ranks:
+                            self.ep_group = group
+                    for offset in range(ep):
+                        ranks = dp_ranks[offset::ep]
+                        group = make(ranks)
+                        if me in ranks:
+                            self.expert_dp_group = group
         # Groups of size one never need a collective; None makes that explicit to every caller.
         if tp == 1:
             self.tp_group = None
+        if ep == 1:
+            self.expert_dp_group = self.dp_group  # no expert parallelism: experts reduce like every other param
         if dp == 1:
             self.dp_group = None
+        if self.expert_dp_size == 1:
+            self.expert_dp_group = None
         if pp == 1:
             self.pp_group = None
         if tp * pp == 1:

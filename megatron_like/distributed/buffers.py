@@ -47,6 +47,11 @@ one)? That keeps a full fp32 gradient (4 bytes per parameter) for the whole step
 memory, and stage 1 already does exactly that.
 
 Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum).
+
+Expert parameters (``param.expert_parallel``, docs/moe.md) get buckets of their own in each layer unit,
+reduced, sharded (ZeRO) and gathered over the *expert-data-parallel* group (the ``dp / ep`` ranks holding
+the same experts) instead of the data-parallel group. They are still scaled by ``1 / dp``: each expert's
+gradient already sums the tokens of its ``ep`` expert-parallel ranks (the all-to-all's backward brings them).
 """
 
 from __future__ import annotations
@@ -76,8 +81,10 @@ class Bucket:
     """
 
     def __init__(self, params: list[nn.Parameter], dp_size: int, dp_rank: int, sharded: bool,
-                 is_shared_embedding: bool = False) -> None:
+                 is_shared_embedding: bool = False, group: comm.Group = None) -> None:
         self.params = params
+        self.group = group  # the ranks this bucket is reduced, sharded and gathered over (dp_size of them)
+        self.is_expert = any(getattr(p, "expert_parallel", False) for p in params)
         self.ranges: list[tuple[int, int]] = []
         offset = 0
         for param in params:
@@ -110,7 +117,7 @@ class Bucket:
                 yield param, lo - lo_shard, hi - lo_shard, lo - start, hi - start
 
     # ---------------------------------------------------------------- ZeRO-3 gather / free
-    def gather(self, dp_group: comm.Group) -> None:
+    def gather(self) -> None:
         """Re-allocate ``param_flat`` and all-gather every rank's shard into it (no-op if gathered)."""
         if self.gathered:
             return
@@ -118,7 +125,7 @@ class Bucket:
         # The params are views of param_flat's storage, so they see the gathered values; writing through
         # param_flat (a different tensor) leaves the params' autograd version counters alone, so tensors
         # saved for backward before the free stay valid after the re-gather.
-        comm.all_gather_flat(self.param_flat, self.param_shard, dp_group)
+        comm.all_gather_flat(self.param_flat, self.param_shard, self.group)
         self.gathered = True
 
     def release(self) -> None:
@@ -132,15 +139,17 @@ def build_units(chunk: nn.Module) -> list[tuple[nn.Module, list[list[nn.Paramete
     """``(module, [params of each bucket])`` per unit: the chunk's layers in backward order, then its root.
 
     The root (every parameter outside ``chunk.layers``) is split into the tied word embedding, if the
-    chunk holds it, and the rest.
+    chunk holds it, and the rest; a layer's expert parameters (MoE) are a bucket of their own.
     """
     layers = list(getattr(chunk, "layers", []))
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     units: list[tuple[nn.Module, list[list[nn.Parameter]]]] = []
     for layer in reversed(layers):
         params = [p for p in layer.parameters() if p.requires_grad]
+        dense = [p for p in params if not getattr(p, "expert_parallel", False)]
+        experts = [p for p in params if getattr(p, "expert_parallel", False)]
         if params:
-            units.append((layer, [params]))
+            units.append((layer, [bucket for bucket in (dense, experts) if bucket]))
     shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
     root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in in_layers and p is not shared]
     root_buckets = [root] if root else []
@@ -167,10 +176,7 @@ class ParamAndGradBuffer:
         self.buckets: list[Bucket] = []
         for module, bucket_params in build_units(chunk):
             shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
-            unit_buckets = [
-                Bucket(params, ps.dp_size, ps.dp_rank, sharded, is_shared_embedding=params[0] is shared)
-                for params in bucket_params
-            ]
+            unit_buckets = [self._bucket(params, ps, sharded, params[0] is shared) for params in bucket_params]
             self.units.append((module, unit_buckets))
             self.buckets += unit_buckets
         total = sum(b.numel for b in self.buckets)
@@ -226,6 +232,13 @@ class ParamAndGradBuffer:
             for bucket in self.buckets for param, (start, end) in zip(bucket.params, bucket.ranges)
         ]
 
+    @staticmethod
+    def _bucket(params: list[nn.Parameter], ps: ParallelState, sharded: bool, is_shared_embedding: bool) -> Bucket:
+        """A bucket over the data-parallel group, or over the expert-data-parallel group for expert params."""
+        if any(getattr(p, "expert_parallel", False) for p in params):
+            return Bucket(params, ps.expert_dp_size, ps.expert_dp_rank, sharded, group=ps.expert_dp_group)
+        return Bucket(params, ps.dp_size, ps.dp_rank, sharded, is_shared_embedding, group=ps.dp_group)
+
     # ---------------------------------------------------------------- backward hooks
     def _make_grad_hook(self, bucket: Bucket, start: int, end: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -256,13 +269,13 @@ class ParamAndGradBuffer:
         if self.dp_size > 1:
             grad.mul_(1.0 / self.dp_size)
         if self.zero_stage == 0:
-            work = comm.all_reduce_flat(grad, self.dp_group, async_op=async_op)
+            work = comm.all_reduce_flat(grad, bucket.group, async_op=async_op)
 
             def finish() -> None:
                 pass
         else:
             out = torch.empty(bucket.shard_numel, dtype=torch.float32, device=grad.device)
-            work = comm.reduce_scatter_flat(out, grad, self.dp_group, async_op=async_op)
+            work = comm.reduce_scatter_flat(out, grad, bucket.group, async_op=async_op)
             # The temporaries are freed here, on this thread, once the collective is done with them: the
             # backend's worker thread may otherwise drop the last reference later (the profiler and the
             # CPU log figure, which watch this thread, would then never see the free).
@@ -343,7 +356,7 @@ class ParamAndGradBuffer:
             if bucket is not None:
                 # A separate input: the output region holding it would be overwritten while it is read.
                 shard = bucket.param_shard.clone()
-                launched = (comm.all_gather_flat(bucket.param_flat, shard, self.dp_group, async_op=True), shard)
+                launched = (comm.all_gather_flat(bucket.param_flat, shard, bucket.group, async_op=True), shard)
             if pending is not None:  # one gather in flight: gloo's all-gather allocates twice the output size
                 work, shard_in_flight = pending
                 if work is not None:
@@ -354,7 +367,7 @@ class ParamAndGradBuffer:
     def gather_all(self) -> None:
         """Stage 3: gather every bucket (checkpointing, tests); :meth:`release_all` frees them again."""
         for bucket in self.buckets:
-            bucket.gather(self.dp_group)
+            bucket.gather()
 
     def release_all(self, write_back: bool = False) -> None:
         """Stage 3: free every gathered bucket, first copying this rank's slice back when ``write_back``."""

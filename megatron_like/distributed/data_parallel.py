@@ -36,12 +36,12 @@ from megatron_like.tensor_parallel.initialization import is_deferred
 from megatron_like.tensor_parallel.random import is_recomputing
 
 
-def _install_zero3_hooks(module: nn.Module, buckets: list[Bucket], dp_group: comm.Group) -> None:
+def _install_zero3_hooks(module: nn.Module, buckets: list[Bucket]) -> None:
     """Gather ``buckets`` around ``module``'s forward and backward, free them after (see module docstring)."""
 
     def gather(*_: object) -> None:
         for bucket in buckets:
-            bucket.gather(dp_group)
+            bucket.gather()
 
     def after_forward(_module: nn.Module, _args: object, output: object) -> None:
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:
@@ -76,7 +76,7 @@ class DataParallel:
             chunk.param_and_grad_buffer = buffer
             if zero_stage == 3:
                 for module, buckets in buffer.units:
-                    _install_zero3_hooks(module, buckets, ps.dp_group)
+                    _install_zero3_hooks(module, buckets)
             self.buffers.append(buffer)
 
     def buckets(self) -> Iterator[Bucket]:

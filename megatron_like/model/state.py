@@ -53,14 +53,21 @@ def _pattern(name: str) -> str:
 def partition_rules() -> dict[str, int | None]:
     """Return ``{name pattern: partition dim or None (replicated)}`` of every GPT parameter.
 
-    Read from the attributes of a tiny single-process model with an untied output layer, so the rules
-    follow the model code; layer indices in the patterns are ``*``.
+    Read from the attributes of tiny single-process models with an untied output layer (a dense one and a
+    mixture-of-experts one with a shared expert), so the rules follow the model code; layer indices in the
+    patterns are ``*``.
     """
-    tiny = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
-                       untie_embeddings_and_output_weights=True)
-    model = GPTModel(tiny, ParallelState.single_process(torch.device("cpu")), vocab_size=8, seed=0)
-    return {_pattern(name): (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
-            for name, p in model.named_parameters()}
+    dense = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
+                        untie_embeddings_and_output_weights=True)
+    moe = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
+                      untie_embeddings_and_output_weights=True, num_experts=2, moe_router_topk=1,
+                      moe_shared_expert_intermediate_size=8)
+    rules = {}
+    for tiny in (dense, moe):
+        model = GPTModel(tiny, ParallelState.single_process(torch.device("cpu")), vocab_size=8, seed=0)
+        rules.update({_pattern(name): (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
+                      for name, p in model.named_parameters()})
+    return rules
 
 
 def partition_dim(name: str) -> int | None:

@@ -195,20 +195,21 @@ class MLP(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
-                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, name: str | None = None) -> None:
         super().__init__()
+        name = name or f"layers.{layer}.mlp"  # names the weights' generators (MoE: the shared expert's)
         h, ffn = config.hidden_size, config.ffn_size
         self.swiglu = config.swiglu
         self.bias_gelu_fusion = config.bias_gelu_fusion and config.linear_bias and not config.swiglu
         self.fc1 = ColumnParallelLinear(
             h, 2 * ffn if self.swiglu else ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
-            seed=seed, name=f"layers.{layer}.mlp.fc1", bias=config.linear_bias, sequence_parallel=sequence_parallel,
+            seed=seed, name=f"{name}.fc1", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, skip_bias_add=self.bias_gelu_fusion,
         )
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.fc2 = RowParallelLinear(
             ffn, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
-            name=f"layers.{layer}.mlp.fc2", bias=config.linear_bias, sequence_parallel=sequence_parallel,
+            name=f"{name}.fc2", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device,
         )
 
@@ -236,7 +237,12 @@ class TransformerLayer(nn.Module):
         self.ln1 = build_norm(config, sequence_parallel, dtype, ps.device)
         self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
         self.ln2 = build_norm(config, sequence_parallel, dtype, ps.device)
-        self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
+        if config.is_moe_layer(layer):
+            from megatron_like.model.moe import MoELayer  # the MoE package imports MLP from here
+
+            self.mlp = MoELayer(config, ps, layer, seed, sequence_parallel, dtype)
+        else:
+            self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
 
     def dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:

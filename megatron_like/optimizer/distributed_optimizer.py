@@ -59,6 +59,7 @@ class _Segment:
     master: torch.Tensor  # [n] fp32 view of the master shard
     grad: torch.Tensor  # [n] fp32 view of the gradient shard (on the master's device)
     counted: bool  # counts toward the global norm on this rank
+    expert: bool = False  # an expert parameter's (MoE): replicated over expert-dp only, distinct over ep
 
 
 class DistributedOptimizer:
@@ -88,7 +89,7 @@ class DistributedOptimizer:
             self.master_grads.append(grad)
             self.master_is_param.append(alias)
             for param, lo, hi, _, _ in bucket.shard_segments():
-                segment = _Segment(master[lo:hi], grad[lo:hi], counts_toward_norm(param, ps))
+                segment = _Segment(master[lo:hi], grad[lo:hi], counts_toward_norm(param, ps), bucket.is_expert)
                 segment.master.grad = segment.grad
                 self.segments.append(segment)
                 groups[param.ndim > 1].append(segment.master)
@@ -129,6 +130,8 @@ class DistributedOptimizer:
         """Reduce a per-rank value over every rank holding a distinct part of the gradient."""
         if self.sharded:
             comm.all_reduce(value, self.ps.dp_group, op=op)
+        elif op == "max":  # unsharded, expert-parallel ranks still hold different experts
+            comm.all_reduce(value, self.ps.ep_group, op=op)
         comm.all_reduce(value, self.ps.model_parallel_group, op=op)
         return value
 
@@ -142,13 +145,15 @@ class DistributedOptimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the whole model's gradient (each parameter once, every stage and shard)."""
-        grads = [s.grad for s in self.segments if s.counted]
-        if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).square().sum()
-        else:
-            squares = torch.zeros(())
-        squares = squares.reshape(1).to(device=self.ps.device, dtype=torch.float32)
-        return float(self._all_reduce_over_replica_world(squares, "sum").sqrt())
+        def sum_of_squares(expert: bool) -> torch.Tensor:
+            grads = [s.grad for s in self.segments if s.counted and s.expert == expert]
+            squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+            return squares.reshape(1).to(device=self.ps.device, dtype=torch.float32)
+
+        squares, expert_squares = sum_of_squares(False), sum_of_squares(True)
+        if not self.sharded:  # expert-parallel ranks hold different experts (sharded: the dp sum covers them)
+            comm.all_reduce(expert_squares, self.ps.ep_group)
+        return float(self._all_reduce_over_replica_world(squares + expert_squares, "sum").sqrt())
 
     @torch.no_grad()
     def step(self) -> StepResult:

@@ -24,6 +24,7 @@ from megatron_like.config import Config, ConfigError
 from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
 from megatron_like.model import chunk_layers
+from megatron_like.model.moe import reduce_aux_losses, reset_aux_losses, set_aux_loss_backward_scale
 from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
@@ -60,6 +61,8 @@ class TrainingResult:
     nan_iterations: int = 0
     """Iterations whose loss was inf or nan."""
     optimizer: DistributedOptimizer | None = None
+    moe_losses: list[dict[str, float]] = field(default_factory=list)
+    """Each iteration's MoE router losses (load_balancing_loss, z_loss), as logged; empty without MoE."""
 
 
 def check_supported(config: Config) -> None:
@@ -114,6 +117,15 @@ def average_losses(stats: list[dict[str, torch.Tensor]], ps: ParallelState) -> d
     return dict(zip(names, means.tolist()))
 
 
+def moe_loss_names(config: Config) -> list[str]:
+    """The router losses MoE layers record and the log shows (docs/moe.md), in log order."""
+    m = config.model
+    if m.num_experts is None:
+        return []
+    names = ["load_balancing_loss"] if m.moe_router_load_balancing_type == "aux_loss" else []
+    return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])
+
+
 @dataclass
 class StepOutput:
     """What one training step did."""
@@ -126,6 +138,8 @@ class StepOutput:
     """The fp16 gradients overflowed: no update, the loss scale backed off."""
     loss_scale: float
     """The loss scale this step's backward used."""
+    moe_losses: dict[str, float] = field(default_factory=dict)
+    """MoE router losses: mean over MoE layers, micro batches and dp ranks (every rank knows them)."""
 
 
 def _with_scaled_loss(forward_step_func: Callable, optimizer: DistributedOptimizer) -> Callable:
@@ -158,13 +172,21 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     if optimizer.scaler is not None:
         forward_step_func = _with_scaled_loss(forward_step_func, optimizer)
     schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
+    # MoE routers' losses get the gradient they would have as part of each micro batch's loss (aux_losses.py).
+    reset_aux_losses()
+    set_aux_loss_backward_scale(loss_scale / config.num_microbatches)
     stats = schedule(forward_step_func, data_iterator, model, config.num_microbatches,
                      seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
+    moe_losses = reduce_aux_losses(moe_loss_names(config), [i for i, moe in enumerate(config.model.moe_layer_pattern)
+                                                            if moe], config.num_microbatches, ps)
     data_parallel.finish_grad_sync()
     result = optimizer.step()
     if result.successful:
         scheduler.step()
-    return StepOutput(average_losses(stats, ps), result.grad_norm, not result.successful, loss_scale)
+    losses = average_losses(stats, ps)
+    if losses:  # the log line shows them after the LM loss
+        losses.update(moe_losses)
+    return StepOutput(losses, result.grad_norm, not result.successful, loss_scale, moe_losses)
 
 
 def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
@@ -270,6 +292,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         result.iteration = iteration
         if losses:
             result.losses.append(main_loss(losses))
+        if step.moe_losses:
+            result.moe_losses.append(step.moe_losses)
         result.grad_norms.append(float("nan") if grad_norm is None else grad_norm)
         if iteration % log.log_interval == 0:
             elapsed = (time.perf_counter() - interval_start) / interval_iters

@@ -6,13 +6,21 @@ from megatron_like.config import Config
 
 
 def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
-    """Parameters that take part in matmuls: the layers' linears plus the output layer."""
+    """Parameters that take part in each token's matmuls: the layers' linears plus the output layer (MoE
+    layers: the router, the k experts a token visits and the shared expert, i.e. the active parameters)."""
     m = config.model
     h = m.hidden_size
     qkv_out = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim  # fewer K, V heads with GQA
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate, up and down
-    per_layer = h * qkv_out + h * h + mlp_matrices * h * m.ffn_size
-    return m.num_layers * per_layer + padded_vocab_size * m.hidden_size
+    attention = h * qkv_out + h * h
+    dense_mlp = mlp_matrices * h * m.ffn_size
+    moe_layers = sum(m.moe_layer_pattern)
+    moe_mlp = 0
+    if moe_layers:
+        shared = m.moe_shared_expert_intermediate_size or 0
+        moe_mlp = m.num_experts * h + mlp_matrices * h * (m.moe_router_topk * m.moe_ffn_size + shared)
+    return (m.num_layers * attention + (m.num_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+            + padded_vocab_size * m.hidden_size)
 
 
 def flops_per_token(config: Config, padded_vocab_size: int) -> float:

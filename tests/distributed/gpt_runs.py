@@ -56,6 +56,8 @@ def _collect_parameters(model: list[torch.nn.Module], ps: ParallelState, out: di
             tensor = param.detach()
             if getattr(param, "tensor_model_parallel", False):
                 tensor = comm.all_gather_along_dim(tensor, ps.tp_group, dim=param.partition_dim)
+            if getattr(param, "expert_parallel", False):  # MoE: [E / ep, ...] -> every expert, in order
+                tensor = comm.all_gather_along_dim(tensor, ps.ep_group, dim=0)
             # float32: bf16 has no numpy dtype to cross the process boundary in (and compares the same).
             out[global_name(chunk, name)] = tensor.to(torch.float32, copy=True)
 
@@ -86,6 +88,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "loss_scales": result.loss_scales,
         "skipped_iterations": result.skipped_iterations,
         "nan_iterations": result.nan_iterations,
+        "moe_losses": result.moe_losses,
     }
 
 
@@ -123,7 +126,7 @@ def merge_ranks(results: list[dict]) -> dict:
                                   f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
     merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
               "copies": copies, "replica_mismatches": mismatches}
-    for key in ("loss_scales", "skipped_iterations", "nan_iterations"):
+    for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses"):
         if key in results[-1]:
             merged[key] = results[-1][key]
     return merged

@@ -45,14 +45,24 @@ ISSUE_FLAGS = [
 ]
 
 
-def in_process_losses(flags: list[str]) -> dict[int, float]:
-    """``{iteration: lm loss}`` of the one-process run of ``flags``, trained in this process: the code and
+def in_process_run(flags: list[str]) -> dict:
+    """``train_gpt``'s result for the one-process run of ``flags``, trained in this process: the code and
     flags ``torchrun --nproc_per_node 1`` would run, without starting a launcher and a worker (~10 s each).
     The last two flags put back the command line's defaults that the harness's BASE_FLAGS change."""
     from tests.distributed.gpt_runs import train_gpt
 
-    losses = train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])["losses"]
-    return dict(enumerate(losses, start=1))
+    return train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])
+
+
+def in_process_losses(flags: list[str]) -> dict[int, float]:
+    """``{iteration: lm loss}`` of :func:`in_process_run`."""
+    return dict(enumerate(in_process_run(flags)["losses"], start=1))
+
+
+def logged_values(stdout: str, name: str) -> dict[int, float]:
+    """``{iteration: value}`` of the statistic ``name`` (e.g. ``load_balancing_loss``) on each training log line."""
+    pattern = re.compile(rf"iteration\s+(\d+)/\s*\d+ \|.*\| {re.escape(name)}: ([0-9.E+-]+) \|")
+    return {int(it): float(value) for it, value in pattern.findall(stdout)}
 
 
 def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:

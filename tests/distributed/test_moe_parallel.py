@@ -1,0 +1,113 @@
+"""Mixture of experts (docs/moe.md) trained through pretrain() under expert parallelism equals one process:
+losses, router losses (load balancing, z-loss), grad norms and updated weights.
+
+A tiny Mixtral-like model (SwiGLU experts, top-2 of 4, RMSNorm, rope, no biases) whose layers 0, 1 and 3 are
+MoE (``--moe-layer-freq`` in Megatron's list form) with a shared expert. All layouts run in one spawned group
+of four processes: ep 4 (every rank its own expert), ep 2 inside dp 4 (expert-data-parallel groups of two),
+ep 2 x tp 2 with sequence parallelism, ep 2 x pp 2 with virtual stages and full recompute; both
+dispatchers; ZeRO 0 to 3; with and without capacity dropping (which needs every layout to drop the same
+tokens: capacity is per micro batch and the whole sequence, whatever tp and ep).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatron_like.config import ConfigError, parse_config
+from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
+from tests.distributed.harness import run_distributed
+
+MOE = [
+    "--num-attention-heads", "4", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--ffn-hidden-size", "32", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+    "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "[1,1,0,1]",
+    "--moe-shared-expert-intermediate-size", "16", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3",
+]
+# Capacity 0.5 * 32 tokens * 2 / 4 experts = 8 of the ~16 assignments each expert gets: many are dropped.
+CAPACITY = ["--moe-expert-capacity-factor", "0.5"]
+ALLTOALL, ALLGATHER = ["--moe-token-dispatcher-type", "alltoall"], ["--moe-token-dispatcher-type", "allgather"]
+
+
+def ep(size: int) -> list[str]:
+    return ["--expert-model-parallel-size", str(size)]
+
+
+def zero(stage: int) -> list[str]:
+    return ["--zero-stage", str(stage)]
+
+
+CASES: dict[str, list[str]] = {
+    "ep4-alltoall-zero1": ep(4) + ALLTOALL + zero(1),
+    "ep2-dp4-allgather-zero0": ep(2) + ALLGATHER,
+    "ep2-dp4-alltoall-zero3-capacity": ep(2) + ALLTOALL + zero(3) + CAPACITY,
+    "ep2-tp2-sp-alltoall-zero2-capacity": ep(2) + ALLTOALL + zero(2) + CAPACITY + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "ep2-pp2-vp2-allgather-recompute-full": ep(2) + ALLGATHER + [
+        "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+}
+
+
+@functools.cache
+def reference(capacity: bool) -> dict:
+    return merge_ranks([train_gpt(0, 1, MOE + (CAPACITY if capacity else []))])
+
+
+@functools.cache
+def runs() -> dict[str, dict]:
+    names = list(CASES)
+    per_rank = run_distributed(train_gpt_many, 4, [MOE + CASES[n] for n in names], timeout=900)
+    return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(names)}
+
+
+def assert_same_router_losses(reference: dict, run: dict) -> None:
+    assert [sorted(step) for step in run["moe_losses"]] == [["load_balancing_loss", "z_loss"]] * 3
+    for name in ("load_balancing_loss", "z_loss"):
+        torch.testing.assert_close(torch.tensor([step[name] for step in run["moe_losses"]]),
+                                   torch.tensor([step[name] for step in reference["moe_losses"]]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_training_equals_single_process(name: str) -> None:
+    run, expected = runs()[name], reference("capacity" in name)
+    assert_same_training(expected, run)
+    assert_same_router_losses(expected, run)
+
+
+def test_moe_reference_learns_and_drops_tokens() -> None:
+    plain, dropped = reference(False), reference(True)
+    params = plain["params"]
+    assert params["layers.0.mlp.experts.weight1"].shape == (4, 64, 64)  # [experts, h, 2 * ffn (gate, up)]
+    assert params["layers.0.mlp.experts.weight2"].shape == (4, 32, 64)
+    assert "layers.2.mlp.fc1.weight" in params and "layers.2.mlp.router.weight" not in params  # the dense layer
+    assert plain["losses"][-1] < plain["losses"][0]
+    # Dropping changes the outputs (the capacity cases above are not the plain model in disguise).
+    assert abs(dropped["losses"][0] - plain["losses"][0]) > 1e-4
+
+
+@pytest.mark.parametrize("flags,message", [
+    (ep(3) + ["--num-experts", "6"], "does not divide the data-parallel size 4"),
+    (ep(4) + ["--num-experts", "6"], "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
+    (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be in [1, --num-experts 4]"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], "gives 2 layers but --num-layers is 4"),
+    (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
+    (ep(2), "--expert-model-parallel-size 2 needs --num-experts"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "must equal --tensor-model-parallel-size 1"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
+    (ep(2) + ["--num-experts", "4", "--save", "/tmp/x"], "--save/--load with --expert-model-parallel-size > 1"),
+])
+def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str) -> None:
+    base = ["--num-layers", "4", "--disable-bias-linear", "--mock-data", "--vocab-size", "64"]
+    with pytest.raises(ConfigError) as error:
+        parse_config(base + flags, world_size=4)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_grouped_gemm_flag_is_accepted_and_recorded() -> None:
+    config = parse_config(["--disable-bias-linear", "--mock-data", "--vocab-size", "64", "--num-experts", "2",
+                           "--moe-grouped-gemm"])
+    assert config.model.moe_grouped_gemm and config.to_dict()["model"]["moe_grouped_gemm"]

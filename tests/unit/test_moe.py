@@ -1,0 +1,163 @@
+"""The MoE layer's pieces on one process (docs/moe.md): permutation round trips, routing orders, capacity
+dropping and padding, the aux-loss autograd hook against the loss added by hand, the logged values, the
+experts' stacked weights against per-expert linears, and the MoE layer against a loop over tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_like.config import ModelConfig, parse_moe_layer_freq
+from megatron_like.model.moe import aux_losses
+from megatron_like.model.moe.moe_layer import MoELayer
+from megatron_like.model.moe.permutation import permute, permuted_probs, sort_chunks, unpermute, unsort_chunks
+from megatron_like.model.moe.router import (
+    TopKRouter,
+    drop_over_capacity,
+    expert_capacity,
+    switch_load_balancing_loss,
+    topk_softmax,
+)
+from megatron_like.parallel_state import ParallelState
+
+
+def moe_config(**overrides) -> ModelConfig:
+    values = dict(num_layers=2, hidden_size=16, num_attention_heads=2, swiglu=True, ffn_hidden_size=8,
+                  disable_bias_linear=True, num_experts=4, moe_router_topk=2)
+    values.update(overrides)
+    config = ModelConfig(**values)
+    config.validate()
+    return config
+
+
+def test_permute_unpermute_is_the_weighted_sum_over_chosen_experts() -> None:
+    torch.manual_seed(0)
+    tokens, probs = torch.randn(6, 3), torch.rand(6, 4)
+    routing_map = torch.rand(6, 4) > 0.5
+    permuted, index, counts = permute(tokens, routing_map)
+    assert counts.tolist() == routing_map.sum(0).tolist()
+    # expert-major: expert 0's tokens first, each expert's in token order
+    expected_index = [t for e in range(4) for t in range(6) if routing_map[t, e]]
+    assert index.tolist() == expected_index and torch.equal(permuted, tokens[expected_index])
+    weights = permuted_probs(probs, routing_map)
+    out = unpermute(permuted * 2, index, weights, 6)
+    expected = torch.stack([sum((2 * tokens[t] * probs[t, e] for e in range(4) if routing_map[t, e]),
+                                torch.zeros(3)) for t in range(6)])
+    torch.testing.assert_close(out, expected)
+
+
+def test_sort_chunks_regroups_sources_by_expert_and_back() -> None:
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])  # 2 sources x 3 experts
+    rows = torch.arange(7.0)[:, None]  # source 0: e0 e0 e2 ; source 1: e0 e1 e1 e1
+    sorted_rows, index = sort_chunks(rows, counts)
+    assert sorted_rows.flatten().tolist() == [0, 1, 3, 4, 5, 6, 2]  # e0 (s0, s1), e1 (s1), e2 (s0)
+    assert torch.equal(unsort_chunks(sorted_rows, index), rows)
+
+
+def test_topk_orders() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    weights, indices = topk_softmax(logits, 2, pre_softmax=False)
+    assert indices.tolist() == [[0, 1]] and torch.allclose(weights.sum(), torch.tensor(1.0))
+    weights, _ = topk_softmax(logits, 2, pre_softmax=True)
+    torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, :2])
+
+
+def test_capacity_keeps_the_best_tokens_and_pads_with_unrouted_ones() -> None:
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.7, 0.3]])
+    routing_map = torch.tensor([[True, False], [False, True], [True, False], [True, False]])
+    assert expert_capacity(4, 2, 1, 1.0) == 2
+    kept_probs, kept = drop_over_capacity(probs * routing_map, routing_map, 2, "probs", pad=False)
+    assert kept[:, 0].tolist() == [True, False, False, True]  # expert 0 keeps 0.9 and 0.7, drops 0.6
+    assert kept[:, 1].tolist() == [False, True, False, False]
+    _, kept = drop_over_capacity(probs * routing_map, routing_map, 2, "position", pad=False)
+    assert kept[:, 0].tolist() == [True, False, True, False]  # the earliest two
+    padded_probs, kept = drop_over_capacity(probs * routing_map, routing_map, 2, "probs", pad=True)
+    assert kept.sum(0).tolist() == [2, 2]  # expert 1 filled up with an unrouted token ...
+    assert padded_probs[:, 1].tolist() == pytest.approx([0.0, 0.8, 0.0, 0.0])  # ... of weight 0
+
+
+def test_load_balancing_loss_is_one_when_uniform_and_e_when_collapsed() -> None:
+    uniform = torch.full((8, 4), 0.25)
+    spread = torch.eye(4, dtype=torch.bool).repeat(2, 1)
+    assert switch_load_balancing_loss(uniform, spread, 1).item() == pytest.approx(1.0)
+    collapsed = torch.zeros(8, 4).index_fill_(1, torch.tensor([0]), 1.0)
+    assert switch_load_balancing_loss(collapsed, collapsed.bool(), 1).item() == pytest.approx(4.0)
+
+
+def test_aux_and_z_losses_reach_the_router_gradient_like_added_losses() -> None:
+    config = moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    router = TopKRouter(config, layer=0, seed=1, dtype=torch.float32, device=torch.device("cpu")).train()
+    tokens = torch.randn(12, 16, generator=torch.Generator().manual_seed(0))
+    aux_losses.reset_aux_losses()
+    aux_losses.set_aux_loss_backward_scale(0.5)  # e.g. two micro batches
+    probs, _ = router(tokens)
+    (0.5 * probs.square().sum()).backward()  # the "main loss" of this micro batch, already divided by 2
+    hooked = router.weight.grad.clone()
+    router.weight.grad = None
+    logits = F.linear(tokens, router.weight)
+    p, idx = topk_softmax(logits, 2, False)
+    by_hand = torch.zeros_like(logits).scatter(1, idx, p)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    aux = switch_load_balancing_loss(torch.softmax(logits, -1), routing_map, 2)
+    z = torch.logsumexp(logits, -1).square().mean()
+    main_only = torch.autograd.grad(0.5 * by_hand.square().sum(), router.weight, retain_graph=True)[0]
+    (0.5 * (by_hand.square().sum() + 0.1 * aux + 0.01 * z)).backward()
+    torch.testing.assert_close(hooked, router.weight.grad)
+    assert (hooked - main_only).abs().max() > 1e-4  # the router losses did contribute
+    logged = aux_losses.reduce_aux_losses(["load_balancing_loss", "z_loss"], [0], 1, ParallelState.single_process())
+    assert logged == pytest.approx({"load_balancing_loss": aux.item(), "z_loss": z.item()})
+
+
+def test_experts_and_layer_equal_a_loop_over_tokens() -> None:
+    config = moe_config(moe_shared_expert_intermediate_size=8, moe_expert_capacity_factor=0.75)
+    ps = ParallelState.single_process(torch.device("cpu"))
+    layer = MoELayer(config, ps, layer=0, seed=3, sequence_parallel=False, dtype=torch.float32).eval()
+    x = torch.randn(5, 2, 16, generator=torch.Generator().manual_seed(1))
+    out = layer(x)
+    tokens = x.reshape(10, 16)
+    probs, routing_map = layer.router(tokens)
+    assert routing_map.sum(0).max() <= math.ceil(0.75 * 10 * 2 / 4)  # capacity held
+    w1, w2 = layer.experts.weight1, layer.experts.weight2
+    expected = torch.zeros(10, 16)
+    for t in range(10):
+        for e in range(4):
+            if routing_map[t, e]:
+                gate_up = tokens[t] @ w1[e]
+                expected[t] += probs[t, e] * ((F.silu(gate_up[0::2]) * gate_up[1::2]) @ w2[e])
+    expected = expected.view(5, 2, 16) + layer.shared_experts(x)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_freq_forms() -> None:
+    assert parse_moe_layer_freq("2", 4) == [True, False, True, False]
+    assert parse_moe_layer_freq("([1]*3+[0]*1)*2", 8) == [True, True, True, False] * 2
+
+
+def test_flops_count_the_active_parameters_of_moe_layers() -> None:
+    from megatron_like.config import Config
+    from megatron_like.model import GPTModel
+    from megatron_like.training.metrics import matmul_parameters
+
+    # top-k = E: every expert is active, so the active parameters are all the model's matmul weights
+    model_config = moe_config(num_experts=2, moe_router_topk=2, moe_shared_expert_intermediate_size=8,
+                              position_embedding_type="rope", normalization="RMSNorm",
+                              untie_embeddings_and_output_weights=True, moe_layer_freq="[1,0]")
+    model = GPTModel(model_config, ParallelState.single_process(torch.device("cpu")), vocab_size=32, seed=0)
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if "ln" not in name and "layernorm" not in name and "word_embeddings" not in name)
+    assert matmul_parameters(Config(model=model_config), 32) == weights
+    top1 = Config(model=moe_config(num_experts=2, moe_router_topk=1, moe_layer_freq="[1,0]"))
+    assert matmul_parameters(top1, 32) < matmul_parameters(Config(model=moe_config(moe_layer_freq="[1,0]",
+                                                                                   num_experts=2)), 32)
+
+
+def test_no_effect_warnings_of_moe_flags() -> None:
+    from megatron_like.config import no_effect_warnings, parse_config
+
+    base = ["--disable-bias-linear", "--mock-data", "--vocab-size", "64", "--num-experts", "2"]
+    warnings = no_effect_warnings(parse_config(base + ["--moe-token-dispatcher-type", "alltoall"]))
+    assert any("alltoall has no effect" in w for w in warnings)
+    assert not no_effect_warnings(parse_config(base))
