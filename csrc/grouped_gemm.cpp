@@ -1,5 +1,6 @@
 // megatron_like._csrc.grouped_gemm: one GEMM per expert over contiguous row groups, forward and both
 // gradients, in one call (no Python loop over experts). Python wrapper: megatron_like/kernels/grouped_gemm.py.
+#include <memory>
 #include <type_traits>
 
 #include "common.h"

@@ -113,12 +113,12 @@ ML_INLINE void micro_kernel(const A* __restrict a, const A* __restrict b, std::i
 
 // C[m, n] = A[m, k] B[k, n] with C in Acc<T> (row stride ldc, contiguous rows). Called from inside an
 // OpenMP parallel region: the threads of the team share the B packing and split the A blocks.
-// `b_pack` holds KC * round_up(NC, NR) values, `a_pack` MC * KC per thread (indexed by thread id).
+// `b_pack` holds min(KC, k) * round_up(min(NC, n), NR) values, `a_pack` MC * min(KC, k) per thread.
 template <class T, class A>
 void gemm_in_team(View<T> a, View<T> b, A* c, std::int64_t ldc, std::int64_t m, std::int64_t n, std::int64_t k,
                   A* b_pack, A* a_pack_all) {
   constexpr int NR = gemm_nr<A>();
-  A* a_pack = a_pack_all + static_cast<std::int64_t>(thread_id()) * kGemmMC * kGemmKC;
+  A* a_pack = a_pack_all + static_cast<std::int64_t>(thread_id()) * kGemmMC * std::min(kGemmKC, k);
   if (k == 0) {  // an empty group contributes nothing: its part of dw is zero
 #pragma omp for schedule(static)
     for (std::int64_t i = 0; i < m; ++i)
@@ -176,9 +176,14 @@ void grouped_gemm(GroupedOp op, const T* lhs, const T* rhs, T* out, const std::i
   const std::int64_t out_rows_max = op == GroupedOp::kGradWeight ? k : largest;
   const std::int64_t work = 2 * rows * k * n;
   const int nt = threads_for(threads, work, std::int64_t(1) << 20);
-  std::vector<A> b_pack(static_cast<std::size_t>(kGemmKC * ((kGemmNC + NR - 1) / NR) * NR));
-  std::vector<A> a_pack(static_cast<std::size_t>(kGemmMC * kGemmKC * nt));
-  std::vector<A> scratch(kDirect ? 0 : static_cast<std::size_t>(out_rows_max * out_cols));
+  // Buffers sized for the largest block this call can meet, left uninitialized (every value read is
+  // written first): small problems must not pay for zeroing megabytes.
+  const std::int64_t inner_max = op == GroupedOp::kForward ? k : (op == GroupedOp::kGradInput ? n : largest);
+  const std::int64_t kc_max = std::max<std::int64_t>(1, std::min(kGemmKC, inner_max));
+  const std::int64_t nc_max = (std::min(kGemmNC, out_cols) + NR - 1) / NR * NR;
+  std::unique_ptr<A[]> b_pack(new A[static_cast<std::size_t>(kc_max * nc_max)]);
+  std::unique_ptr<A[]> a_pack(new A[static_cast<std::size_t>(kGemmMC * kc_max * nt)]);
+  std::unique_ptr<A[]> scratch(new A[kDirect ? 1 : static_cast<std::size_t>(out_rows_max * out_cols)]);
 #pragma omp parallel num_threads(nt)
   {
     std::int64_t r0 = 0;
@@ -206,9 +211,9 @@ void grouped_gemm(GroupedOp op, const T* lhs, const T* rhs, T* out, const std::i
       r0 += mg;
       if (m == 0) continue;
       if constexpr (kDirect) {
-        gemm_in_team(a, b, reinterpret_cast<A*>(c_out), nn, m, nn, kk, b_pack.data(), a_pack.data());
+        gemm_in_team(a, b, reinterpret_cast<A*>(c_out), nn, m, nn, kk, b_pack.get(), a_pack.get());
       } else {
-        gemm_in_team(a, b, scratch.data(), nn, m, nn, kk, b_pack.data(), a_pack.data());
+        gemm_in_team(a, b, scratch.get(), nn, m, nn, kk, b_pack.get(), a_pack.get());
 #pragma omp for schedule(static)
         for (std::int64_t i = 0; i < m; ++i) {
 #pragma omp simd
