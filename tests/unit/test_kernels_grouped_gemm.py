@@ -99,10 +99,11 @@ def test_grouped_gemm_input_without_grad():
     torch.testing.assert_close(w.grad.double(), reference(x, w, dy, counts)[2], rtol=1e-5, atol=1e-6)
 
 
-def test_grouped_gemm_threads_do_not_change_the_result(backend):  # noqa: F811 - the fixture, for its name
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_threads_do_not_change_the_result(backend, dtype):  # noqa: F811 - the fixture, for its name
     """The kernel sums every output element in the same order on any thread count: bit-equal results."""
     counts = [200, 0, 180, 150]
-    x, w, dy = inputs(counts, 128, 96, torch.float32, seed=3)
+    x, w, dy = inputs(counts, 128, 96, dtype, seed=3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -111,7 +112,7 @@ def test_grouped_gemm_threads_do_not_change_the_result(backend):  # noqa: F811 -
         two = run(x, w, dy, counts)
     finally:
         torch.set_num_threads(before)
-    tol = 0 if compiled(backend) else 1e-5  # the fallback's BLAS may block differently per thread count
+    tol = 0 if compiled(backend) else 1e-2  # the fallback's BLAS may block differently per thread count
     for a, b in zip(one, two):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
