@@ -69,6 +69,7 @@ CUDA_TWINS = (
     "rms_norm",
     "swiglu",
     "rotary",
+    "grouped_gemm",
 )
 """Ops with a CUDA build (``csrc/cuda/<name>.cu`` -> ``megatron_like._csrc.cuda_<name>``)."""
 

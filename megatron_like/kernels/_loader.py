@@ -132,6 +132,7 @@ KERNEL_MODULES = (
     "rms_norm",
     "swiglu",
     "rotary",
+    "grouped_gemm",
 )
 """The extension modules the wrappers in this package use."""
 

@@ -40,7 +40,7 @@ def nvcc_compile(source: Path, out_dir: Path, extra: list[str]) -> subprocess.Co
 def test_expected_cuda_sources_exist():
     names = {p.stem for p in SOURCES}
     assert {"scaled_masked_softmax", "scaled_upper_triang_masked_softmax", "layer_norm", "rms_norm", "swiglu",
-            "rotary"} <= names
+            "rotary", "grouped_gemm"} <= names
 
 
 def test_cuda_sources_compile(tmp_path):
