@@ -35,11 +35,9 @@ from megatron_like.kernels import (  # noqa: E402 - after the path tweak, for ru
     csrc_available,
     csrc_isa,
     grouped_gemm,
-    permute,
-    tokens_per_expert,
-    unpermute,
 )
 from megatron_like.kernels.grouped_gemm import grouped_gemm_reference  # noqa: E402
+from megatron_like.model.moe.permutation import permute, permuted_probs, unpermute  # noqa: E402
 
 
 def split(rows: int, experts: int, skew: bool) -> torch.Tensor:
@@ -94,14 +92,14 @@ def permute_fn(tokens: torch.Tensor, experts: int, topk: int) -> Callable[[], ob
     gen = torch.Generator().manual_seed(0)
     num_tokens = tokens.shape[0] // topk
     hidden = tokens[:num_tokens]
-    indices = torch.rand(num_tokens, experts, generator=gen).topk(topk, dim=-1).indices
-    probs = torch.rand(num_tokens, topk, generator=gen).softmax(-1)
+    scores = torch.rand(num_tokens, experts, generator=gen)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, scores.topk(topk, dim=-1).indices, True)
+    weights = permuted_probs(scores.softmax(-1), routing_map)
 
     def step():
         h = hidden.detach().requires_grad_()
-        permuted, row_map = permute(h, indices, experts)
-        tokens_per_expert(indices, experts)
-        unpermute(permuted, row_map, probs).sum().backward()
+        permuted, token_index, _ = permute(h, routing_map)
+        unpermute(permuted, token_index, weights, num_tokens).sum().backward()
     return step
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import inspect
 import math
 import os
@@ -860,9 +859,6 @@ def no_effect_warnings(config: Config) -> list[str]:
     m = config.model
     if m.num_experts is not None and p.expert_model_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
-    if m.moe_grouped_gemm and importlib.util.find_spec("megatron_like.kernels.grouped_gemm") is None:
-        warnings.append("--moe-grouped-gemm: no grouped GEMM kernel in this install (megatron_like.kernels."
-                        "grouped_gemm); the experts run one matmul each")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
     return warnings

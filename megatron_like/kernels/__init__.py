@@ -11,7 +11,6 @@ from megatron_like.kernels.cross_entropy import fused_vocab_cross_entropy
 from megatron_like.kernels.fused_softmax import scaled_masked_softmax, scaled_upper_triang_masked_softmax
 from megatron_like.kernels.grouped_gemm import grouped_gemm
 from megatron_like.kernels.layer_norm import fused_add_layer_norm, layer_norm
-from megatron_like.kernels.moe_permute import permute, tokens_per_expert, unpermute
 from megatron_like.kernels.rms_norm import fused_rms_norm
 from megatron_like.kernels.rotary import fused_apply_rotary
 from megatron_like.kernels.swiglu import fused_swiglu
@@ -30,9 +29,6 @@ __all__ = [
     "fused_vocab_cross_entropy",
     "grouped_gemm",
     "layer_norm",
-    "permute",
     "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax",
-    "tokens_per_expert",
-    "unpermute",
 ]

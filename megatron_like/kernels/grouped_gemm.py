@@ -2,7 +2,7 @@
 
 ``grouped_gemm(x, w, tokens_per_expert)`` multiplies rows ``[o_e, o_e + c_e)`` of ``x [T, k]`` by
 ``w[e] [k, n]`` for every expert ``e`` (``c = tokens_per_expert``, ``o`` its exclusive cumulative sum), as
-after the token permutation of a mixture-of-experts layer (``megatron_like/kernels/moe_permute.py``).
+after the token permutation of a mixture-of-experts layer (``megatron_like/model/moe/permutation.py``).
 The C++ path runs all groups, forward and both gradients, in one call: no Python loop over experts and
 no per-group tensor views. Products accumulate in fp32 (fp64 for fp64) and are rounded to the input
 dtype once. The fallback, :func:`grouped_gemm_reference`, is the loop over experts with ``torch.mm``.

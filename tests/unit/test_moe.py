@@ -161,3 +161,24 @@ def test_no_effect_warnings_of_moe_flags() -> None:
     warnings = no_effect_warnings(parse_config(base + ["--moe-token-dispatcher-type", "alltoall"]))
     assert any("alltoall has no effect" in w for w in warnings)
     assert not no_effect_warnings(parse_config(base))
+
+
+def test_grouped_gemm_flag_runs_the_kernel_and_equals_the_expert_loop(monkeypatch) -> None:
+    """--moe-grouped-gemm: the experts go through kernels.grouped_gemm (one call per linear), same outputs and grads."""
+    from megatron_like.model.moe import experts as experts_module
+
+    calls = []
+    kernel = experts_module.grouped_gemm
+    monkeypatch.setattr(experts_module, "grouped_gemm", lambda *args: calls.append(1) or kernel(*args))
+    ps = ParallelState.single_process(torch.device("cpu"))
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(2))
+    results = []
+    for grouped in (False, True):
+        layer = MoELayer(moe_config(moe_grouped_gemm=grouped), ps, layer=0, seed=3, sequence_parallel=False,
+                         dtype=torch.float32)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out, layer.experts.weight1.grad, layer.experts.weight2.grad))
+    assert len(calls) == 2  # fc1 and fc2 of the grouped layer; none for the loop
+    for loop, grouped in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)

@@ -6,13 +6,12 @@ block of the permuted tokens. Each expert is split over tensor parallelism like 
 first matmul, row-split second); its values are expert e's slice of the weight the single-process model
 draws from the generator named ``layers.<l>.mlp.experts.<e>.fc1.weight`` (``fc2``), whatever the layout.
 
-``grouped_matmul`` is where ``--moe-grouped-gemm`` plugs in a grouped GEMM kernel
-(``megatron_like.kernels.grouped_gemm.grouped_gemm``, when present); the fallback is one matmul per expert.
+``grouped_matmul`` is where ``--moe-grouped-gemm`` switches to the grouped GEMM kernel
+(``megatron_like.kernels.grouped_gemm.grouped_gemm``: one call for all experts); without it, one matmul per expert.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from megatron_like.collectives import Group
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_swiglu
+from megatron_like.kernels.grouped_gemm import grouped_gemm
 from megatron_like.tensor_parallel import (
     copy_to_tensor_parallel_region,
     init_generator,
@@ -31,17 +31,12 @@ from megatron_like.tensor_parallel import (
 )
 from megatron_like.tensor_parallel.initialization import draw_slice
 
-if importlib.util.find_spec("megatron_like.kernels.grouped_gemm") is not None:  # lands separately (docs/moe.md)
-    from megatron_like.kernels.grouped_gemm import grouped_gemm as _grouped_gemm_kernel
-else:  # until then --moe-grouped-gemm runs the per-expert loop below
-    _grouped_gemm_kernel = None
-
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                    use_grouped_gemm: bool) -> torch.Tensor:
     """``x [T, k]`` in expert blocks of ``tokens_per_expert [E]`` rows, ``weight [E, k, n]`` -> ``[T, n]``."""
-    if use_grouped_gemm and _grouped_gemm_kernel is not None:
-        return _grouped_gemm_kernel(x, weight, tokens_per_expert)
+    if use_grouped_gemm:
+        return grouped_gemm(x, weight, tokens_per_expert.cpu())  # the group sizes are read on the host
     blocks = x.split(tokens_per_expert.tolist())
     return torch.cat([block @ weight[e] for e, block in enumerate(blocks)])
 
