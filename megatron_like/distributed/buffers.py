@@ -212,6 +212,7 @@ class ParamAndGradBuffer:
         # whole chunk: it is gathered before any layer runs, and its backward starts before theirs).
         roots = [unit for unit in self.units if unit[0] is chunk]
         layers = [unit for unit in self.units if unit[0] is not chunk]  # backward order
+        self.root_units = roots
         self.forward_order = roots + layers[::-1]
         self.backward_order = roots + layers
         total = sum(b.numel for b in self.buckets)

@@ -16,7 +16,8 @@ ZeRO-3 gather and free points, per unit (a transformer layer, or a chunk's root:
 LayerNorm, output layer):
 
 * forward: gathered by a forward pre-hook, freed by the forward hook (not while a recompute runs
-  inside backward: backward needs the params right after);
+  inside backward: backward needs the params right after; nor the root when a backward will follow: its
+  backward starts right after and holds it to the end, as FSDP2 keeps its root unsharded after forward);
 * backward: gathered by a pre-hook on the ``grad_fn`` of the unit's output (it runs before any of the
   unit's backward ops), freed by the gradient hook once every param of the bucket has its gradient.
 
@@ -77,12 +78,18 @@ def _install_gather_hooks(buffer: ParamAndGradBuffer) -> None:
         if not zero3:
             continue
         then = backward_next[id(module)]
+        is_root = any(module is root for root, _ in buffer.root_units)
 
         def after_forward(_module: nn.Module, _args: object, output: object, buckets: list[Bucket] = buckets,
-                          then: list[Bucket] = then) -> None:
-            if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+                          then: list[Bucket] = then, is_root: bool = is_root) -> None:
+            backward_follows = isinstance(output, torch.Tensor) and output.grad_fn is not None
+            if backward_follows:
                 output.grad_fn.register_prehook(lambda grad_outputs: _gather_unit(buckets, then, group))
-            if not is_recomputing():
+            # The root's backward is the next thing that runs (its output is the loss or the stage's output),
+            # and its params stay gathered through the whole backward anyway: freeing them here only to gather
+            # them again at once (the embedding's 4 x vocab x hidden bytes) would cost a gather and save no
+            # peak. The gradient hook frees them when their gradients are complete, as for any unit.
+            if not is_recomputing() and not (is_root and backward_follows):
                 for bucket in buckets:
                     bucket.release()
 
