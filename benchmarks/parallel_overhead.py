@@ -6,7 +6,15 @@
 Modes (ours vs the PyTorch peer):
 
 - ``dp``: ``DataParallel`` with overlapped bucketed all-reduce vs ``DistributedDataParallel``.
-- ``zero3``: ``--zero-stage 3`` vs FSDP2 ``fully_shard`` on every transformer layer and on the root.
+- ``zero1``: ``--zero-stage 1 --overlap-grad-reduce --overlap-param-gather`` vs DDP with
+  ``ZeroRedundancyOptimizer`` (PyTorch's optimizer-state sharding; it broadcasts the updated params).
+- ``zero2``: ``--zero-stage 2`` (same overlap flags) vs FSDP2 with ``reshard_after_forward=False`` (params kept
+  gathered from forward to backward, gradients and optimizer states sharded: ZeRO-2 in FSDP2's terms).
+- ``zero3`` / ``zero3-prefetch``: ``--zero-stage 3`` without / with ``--overlap-param-gather`` (and
+  ``--overlap-grad-reduce``) vs FSDP2 ``fully_shard`` on every transformer layer and on the root (FSDP2
+  always prefetches).
+
+The data-parallel modes also run on 4 processes (``--world-size 4 --modes dp zero1 ...``); tp and pp on 2.
 - ``tp``: ``--tensor-model-parallel-size 2 --sequence-parallel`` vs DTensor ``parallelize_module``
   (ColwiseParallel / RowwiseParallel / SequenceParallel, torchtitan's plan) with ``loss_parallel``.
 - ``pp`` / ``pp-interleaved``: our 1F1B / interleaved 1F1B vs ``torch.distributed.pipelining``'s
@@ -30,9 +38,10 @@ period of the machine hits both. The table reports:
   (w-1)/w of the full tensor, a point-to-point send its size); the largest over the ranks. Ours is counted
   inside ``megatron_like/collectives.py`` (``count_traffic``); the peer's by a dispatch mode that sees every
   ``c10d`` op (DDP's reducer, FSDP2, eager ``torch.distributed`` calls) and ``_c10d_functional`` op (DTensor).
-  Theory for dp: ``2 x params x 4 bytes x (dp-1)/dp`` plus the grad-norm and loss all-reduces (a few bytes);
-  ZeRO-3 ``3 x`` that over 2; a pipeline ``2v - 1`` activations per micro batch
-  (``tests/distributed/test_parallel_overhead.py`` checks these).
+- ``theory MiB/rank``: the textbook figure (``theory_bytes``): dp and ZeRO-1/2 ``2 x params x 4 bytes x
+  (dp-1)/dp``, ZeRO-3 ``3 x``, a pipeline ``2v - 1`` activations per micro batch. Ours and FSDP2 send less
+  than ``3 x`` at ZeRO-3: both keep the root (embedding, final norm) gathered from forward into backward.
+  ``tests/distributed/test_parallel_overhead.py`` checks the counters against these.
 
 Timings on a shared machine are noisy: compare the two sides' ratio from one run, not absolute figures.
 """
@@ -64,13 +73,17 @@ from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.optimizer import param_groups  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
-MODES = ("dp", "zero3", "tp", "pp", "pp-interleaved")
+MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp", "pp", "pp-interleaved")
+DATA_PARALLEL_MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch")  # these also run on 4 processes
 # tp and pp compare with a plain GPT whose head is untied and which has no position table (DTensor's plan and
 # the pipeline split are simplest that way); ours runs the same architecture through its flags.
 _PLAIN_GPT = ["--untie-embeddings-and-output-weights", "--position-embedding-type", "none"]
 OUR_FLAGS = {
     "dp": ["--overlap-grad-reduce"],
+    "zero1": ["--zero-stage", "1", "--overlap-grad-reduce", "--overlap-param-gather"],
+    "zero2": ["--zero-stage", "2", "--overlap-grad-reduce", "--overlap-param-gather"],
     "zero3": ["--zero-stage", "3"],
+    "zero3-prefetch": ["--zero-stage", "3", "--overlap-grad-reduce", "--overlap-param-gather"],
     "tp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + _PLAIN_GPT,
     "pp": ["--pipeline-model-parallel-size", "2"] + _PLAIN_GPT,
     # one layer per virtual stage: 2 (default sizes) or 3 (--issue-sizes) chunks per rank
@@ -98,7 +111,7 @@ ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=
 def our_config(mode: str, sizes: Sizes, world: int) -> Config:
     """The run's configuration under our flags: one micro batch per data-parallel rank, 8 micro batches of one
     sample under the pipeline modes."""
-    dp = world if mode in ("dp", "zero3") else 1
+    dp = world if mode in DATA_PARALLEL_MODES else 1
     micro_batch = 1 if mode.startswith("pp") else sizes.global_batch // dp
     flags = [
         "--num-layers", str(sizes.layers), "--hidden-size", str(sizes.hidden),
@@ -191,14 +204,35 @@ def build_ddp(config: Config, tokens: torch.Tensor) -> Step:
     return _data_parallel_step(config, model, _adamw(config, model, fused=True), rank_rows(tokens, rank, world))
 
 
-def build_fsdp2(config: Config, tokens: torch.Tensor) -> Step:
+def build_zero_redundancy(config: Config, tokens: torch.Tensor) -> Step:
+    """ZeRO-1 the PyTorch way: DDP's gradient all-reduce, ``ZeroRedundancyOptimizer`` (each rank steps its
+    partition of the params' AdamW states, then broadcasts its updated params)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(config.training.seed)
+    model = DistributedDataParallel(_peer_model(config))
+    o = config.optimizer
+    groups = param_groups([model], o.weight_decay)
+    optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW, lr=o.lr,
+                                        betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                        weight_decay=groups[0]["weight_decay"], fused=True)
+    for group in groups[1:]:
+        optimizer.add_param_group(group)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return _data_parallel_step(config, model, optimizer, rank_rows(tokens, rank, world))
+
+
+def build_fsdp2(config: Config, tokens: torch.Tensor, reshard_after_forward: bool = True) -> Step:
+    """FSDP2 on every transformer layer and the root; ``reshard_after_forward=False`` keeps the gathered
+    params from forward to backward: ZeRO-2 (sharded gradients and optimizer states) in FSDP2's terms."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(config.training.seed)
     model = _peer_model(config)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, reshard_after_forward=reshard_after_forward)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     return _data_parallel_step(config, model, _adamw(config, model, fused=False), rank_rows(tokens, rank, world))
 
@@ -353,7 +387,10 @@ def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -
 
 PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
     "dp": ("DDP", build_ddp),
+    "zero1": ("DDP + ZeroRedundancyOptimizer", build_zero_redundancy),
+    "zero2": ("FSDP2 reshard_after_forward=False", lambda c, t: build_fsdp2(c, t, reshard_after_forward=False)),
     "zero3": ("FSDP2 fully_shard", build_fsdp2),
+    "zero3-prefetch": ("FSDP2 fully_shard", build_fsdp2),
     "tp": ("DTensor TP+SP, loss_parallel", build_dtensor_tp),
     "pp": ("pipelining Schedule1F1B", lambda c, t: _build_pipelining(c, t, interleaved=False)),
     "pp-interleaved": ("pipelining ScheduleInterleaved1F1B", lambda c, t: _build_pipelining(c, t, interleaved=True)),
@@ -460,23 +497,42 @@ def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
     for _ in range(steps):
         times["ours"].append(timed(ours))
         times["peer"].append(timed(theirs))
-    params = sum(p.numel() for p in _peer_model(config).parameters())
+    model = _peer_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    root_params = params - sum(p.numel() for p in model.layers.parameters())
     return {"times": times, "peak": {"ours": our_peak, "peer": peer_peak},
             "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
-            "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params}
+            "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params,
+            "root_params": root_params}
 
 
-def table(mode: str, sizes: Sizes, results: list[dict]) -> list[str]:
-    """Markdown rows ``| mode | side | s/step | tokens/s | peak MiB/rank | sent MiB/rank | speed vs peer |``."""
+def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
+    """Bytes one rank sends per step by the textbook, fp32: dp all-reduces the gradient (2 x params x (w-1)/w);
+    ZeRO-1/2 reduce-scatter it and all-gather the updated params (the same 2 x); ZeRO-3 gathers the params a
+    second time, for backward (3 x); a pipeline sends ``2v - 1`` activations ``[s, 1, h]`` per micro batch."""
+    one_pass = 4 * params * (world - 1) / world
+    if mode.startswith("zero3"):
+        return 3 * one_pass
+    if mode in DATA_PARALLEL_MODES:
+        return 2 * one_pass
+    if mode.startswith("pp"):
+        chunks = sizes.layers // 2 if mode == "pp-interleaved" else 1
+        return (2 * chunks - 1) * sizes.global_batch * sizes.seq * sizes.hidden * 4
+    return float("nan")  # tp: activations all-gathered and reduce-scattered per layer, not a param multiple
+
+
+def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]:
+    """Markdown rows ``| mode | side | s/step | tokens/s | peak MiB/rank | sent MiB/rank | theory | speed |``."""
     tokens = sizes.global_batch * sizes.seq
     medians = {side: statistics.median(results[0]["times"][side]) for side in ("ours", "peer")}
+    theory = theory_bytes(mode, sizes, results[0]["params"], world) / 2**20
     rows = []
     for side, name in (("ours", "megatron_like"), ("peer", PEERS[mode][0])):
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
         speed = medians["peer"] / medians[side]
         rows.append(f"| {mode} | {name} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | {peak:.1f} | "
-                    f"{sent:.2f} | {speed:.2f}x |")
+                    f"{sent:.2f} | {theory:.2f} | {speed:.2f}x |")
     return rows
 
 
@@ -488,17 +544,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--issue-sizes", action="store_true",
                         help="GPT 6 layers, hidden 512, 8 heads, seq 256, vocab 50304, global batch 8")
     args = parser.parse_args(argv)
+    if args.world_size != 2 and set(args.modes) - set(DATA_PARALLEL_MODES):
+        parser.error(f"--world-size {args.world_size}: only {', '.join(DATA_PARALLEL_MODES)} run on other than 2 "
+                     "processes (tp and pp are written for 2); pass --modes with those")
     os.environ["OMP_NUM_THREADS"] = "1"
     from tests.distributed.harness import run_distributed
 
     sizes = ISSUE if args.issue_sizes else SMALL
     print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| mode | implementation | s/step (median) | tokens/s | peak MiB/rank | sent MiB/rank | speed vs peer |")
-    print("|---|---|---|---|---|---|---|")
+    print("| mode | implementation | s/step (median) | tokens/s | peak MiB/rank | sent MiB/rank | theory MiB/rank "
+          "| speed vs peer |")
+    print("|---|---|---|---|---|---|---|---|")
     results = run_distributed(run_modes, args.world_size, args.modes, sizes, args.steps, timeout=3600)
     for mode in args.modes:
-        for row in table(mode, sizes, [r[mode] for r in results]):
+        for row in table(mode, sizes, [r[mode] for r in results], args.world_size):
             print(row)
     print(f"# parameters of the model: {results[0][args.modes[0]]['params']}")
 

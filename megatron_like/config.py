@@ -343,6 +343,9 @@ class ParallelConfig:
     """Keep fp32 master weights and Adam state in host memory, stepped by the C++ Adam."""
     overlap_grad_reduce: bool = False
     """Launch each gradient bucket's data-parallel reduction during backward as soon as it is ready."""
+    overlap_param_gather: bool = False
+    """Overlap ZeRO's parameter all-gathers with compute: at ZeRO-1/2 the gather of updated params after the
+    step runs unit by unit during the next forward; at ZeRO-3 the next unit is gathered while one computes."""
     distributed_backend: Literal["nccl", "gloo"] | None = None
     """Collective backend; by default NCCL when a GPU is present, else gloo."""
     distributed_timeout_minutes: float = 10.0
@@ -359,6 +362,9 @@ class ParallelConfig:
         )
         if self.use_distributed_optimizer and self.zero_stage == 0:
             self.zero_stage = 1  # Megatron's name for ZeRO-1
+        _require(not self.overlap_param_gather or self.zero_stage >= 1,
+                 "--overlap-param-gather needs --zero-stage 1, 2 or 3 (or --use-distributed-optimizer): "
+                 "without ZeRO no parameters are gathered")
 
 
 @dataclass
@@ -854,6 +860,8 @@ def no_effect_warnings(config: Config) -> list[str]:
         warnings.append("--sequence-parallel has no effect with --tensor-model-parallel-size 1")
     if p.overlap_grad_reduce and config.data_parallel_size == 1:
         warnings.append("--overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)")
+    if p.overlap_param_gather and config.data_parallel_size == 1:
+        warnings.append("--overlap-param-gather has no effect with one data-parallel rank (no parameter gather)")
     if config.checkpoint.save_interval and not config.checkpoint.save:
         warnings.append("--save-interval has no effect without --save")
     m = config.model

@@ -94,12 +94,16 @@ class Bucket:
         self.shard_numel = self.numel // dp_size if sharded else self.numel
         self.shard_start = dp_rank * self.shard_numel if sharded else 0
         self.is_shared_embedding = is_shared_embedding
+        self.params_sharded = False  # ZeRO-3: param_flat is a temporary, gathered around each use
         # Views assigned by the owning ParamAndGradBuffer.
         self.param_flat: torch.Tensor  # [numel], params' dtype
         self.param_shard: torch.Tensor  # [shard_numel], params' dtype
         self.grad_flat: torch.Tensor | None = None  # [numel] fp32 (None between backwards at stage 2/3)
         self.grad_shard: torch.Tensor  # [shard_numel] fp32
-        self.gathered = True
+        self.gathered = True  # param_flat holds storage (ZeRO-3 frees it between uses)
+        self.params_stale = False  # ZeRO-1/2: the shard was updated, param_flat not yet re-gathered
+        # The all-gather writing into param_flat, in flight: (work handle, input copy to free after it).
+        self._gather: tuple[object, torch.Tensor | None] | None = None
         # Per-step bookkeeping of the hooks.
         self.ready = 0
         self.micro_batches_done = 0
@@ -116,21 +120,50 @@ class Bucket:
             if lo < hi:
                 yield param, lo - lo_shard, hi - lo_shard, lo - start, hi - start
 
-    # ---------------------------------------------------------------- ZeRO-3 gather / free
-    def gather(self) -> None:
-        """Re-allocate ``param_flat`` and all-gather every rank's shard into it (no-op if gathered)."""
-        if self.gathered:
-            return
-        self.param_flat.untyped_storage().resize_(self.numel * self.param_flat.element_size())
+    # ---------------------------------------------------------------- parameter all-gather
+    def start_gather(self) -> None:
+        """Launch the asynchronous all-gather of every rank's shard into ``param_flat``; :meth:`wait_gather`
+        before reading the params. A no-op when ``param_flat`` is current or its gather is already in flight.
+
+        ZeRO-3 first re-allocates ``param_flat``. ZeRO-1/2 (after the optimizer updated the shard) gather from
+        a copy of the shard: the shard is a slice of ``param_flat``, the output, which must not be read while
+        it is written.
+        """
+        if self.params_sharded:
+            if self.gathered:
+                return
+            self.param_flat.untyped_storage().resize_(self.numel * self.param_flat.element_size())
+            self.gathered, source, copy = True, self.param_shard, None
+        else:
+            if not self.params_stale:
+                return
+            self.params_stale = False
+            source = copy = self.param_shard.clone()
         # The params are views of param_flat's storage, so they see the gathered values; writing through
         # param_flat (a different tensor) leaves the params' autograd version counters alone, so tensors
-        # saved for backward before the free stay valid after the re-gather.
-        comm.all_gather_flat(self.param_flat, self.param_shard, self.group)
-        self.gathered = True
+        # saved for backward before a ZeRO-3 free stay valid after the re-gather.
+        self._gather = (comm.all_gather_flat(self.param_flat, source, self.group, async_op=True), copy)
+
+    def wait_gather(self) -> None:
+        """Block until the gather launched by :meth:`start_gather` (if any) has filled ``param_flat``."""
+        if self._gather is None:
+            return
+        work, copy = self._gather
+        self._gather = None
+        if work is not None:
+            work.wait()
+        if copy is not None:
+            copy.untyped_storage().resize_(0)  # freed on this thread, where the memory log looks (see _reduce)
+
+    def gather(self) -> None:
+        """Make ``param_flat`` hold the full current values now (start the gather if needed, and wait)."""
+        self.start_gather()
+        self.wait_gather()
 
     def release(self) -> None:
-        """Free ``param_flat``'s storage; the params keep their shapes but hold no memory."""
+        """ZeRO-3: free ``param_flat``'s storage; the params keep their shapes but hold no memory."""
         if self.gathered:
+            self.wait_gather()  # a prefetched gather still writes into the storage
             self.param_flat.untyped_storage().resize_(0)
             self.gathered = False
 
@@ -163,8 +196,10 @@ def build_units(chunk: nn.Module) -> list[tuple[nn.Module, list[list[nn.Paramete
 class ParamAndGradBuffer:
     """The flat buffers, buckets and gradient hooks of one model chunk (see the module docstring)."""
 
-    def __init__(self, chunk: nn.Module, ps: ParallelState, zero_stage: int, overlap_grad_reduce: bool) -> None:
+    def __init__(self, chunk: nn.Module, ps: ParallelState, zero_stage: int, overlap_grad_reduce: bool,
+                 overlap_param_gather: bool = False) -> None:
         self.ps, self.zero_stage, self.overlap = ps, zero_stage, overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
         self.dp_group, self.dp_size = ps.dp_group, ps.dp_size
         sharded = zero_stage >= 1
         dtypes = {p.dtype for p in chunk.parameters()}
@@ -179,6 +214,13 @@ class ParamAndGradBuffer:
             unit_buckets = [self._bucket(params, ps, sharded, params[0] is shared) for params in bucket_params]
             self.units.append((module, unit_buckets))
             self.buckets += unit_buckets
+        # The units in the order forward and backward use them: the root first in both (its hooks enclose the
+        # whole chunk: it is gathered before any layer runs, and its backward starts before theirs).
+        roots = [unit for unit in self.units if unit[0] is chunk]
+        layers = [unit for unit in self.units if unit[0] is not chunk]  # backward order
+        self.root_units = roots
+        self.forward_order = roots + layers[::-1]
+        self.backward_order = roots + layers
         total = sum(b.numel for b in self.buckets)
         total_shard = sum(b.shard_numel for b in self.buckets)
         # The persistent buffers; each bucket's tensors are views into them (or, at stage 3, own storage).
@@ -216,6 +258,7 @@ class ParamAndGradBuffer:
                     param.data = view
             if zero_stage == 3:
                 bucket.param_shard.copy_(bucket.param_flat[s0 : s0 + sn])
+                bucket.params_sharded = True
                 bucket.release()
             offset, shard_offset = offset + n, shard_offset + sn
         # (work handle, what to do once it completed, the input it reads: kept alive until then)
@@ -242,9 +285,17 @@ class ParamAndGradBuffer:
     # ---------------------------------------------------------------- backward hooks
     def _make_grad_hook(self, bucket: Bucket, start: int, end: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
-            if bucket.grad_flat is None:
-                bucket.grad_flat = torch.zeros(bucket.numel, dtype=torch.float32, device=param.device)
-            bucket.grad_flat[start:end].add_(param.grad.reshape(-1))
+            grad = param.grad
+            if bucket.grad_flat is None and grad.numel() == bucket.numel and grad.dtype == torch.float32 \
+                    and grad.is_contiguous() and grad.untyped_storage().nbytes() == 4 * grad.numel():
+                # Stage 2/3, one fp32 param filling its bucket (the tied embedding, the largest): its fresh
+                # gradient, owning its whole storage (it is freed after the reduction), becomes the bucket's
+                # instead of a zeroed copy of it (4 x vocab x hidden bytes less at the end of backward).
+                bucket.grad_flat = grad.detach().view(-1)
+            else:
+                if bucket.grad_flat is None:
+                    bucket.grad_flat = torch.zeros(bucket.numel, dtype=torch.float32, device=param.device)
+                bucket.grad_flat[start:end].add_(grad.reshape(-1))
             param.grad = None
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -347,22 +398,36 @@ class ParamAndGradBuffer:
 
     # ---------------------------------------------------------------- after the optimizer step
     def gather_updated_params(self) -> None:
-        """Stage 1/2: all-gather every rank's updated shard so each rank holds the whole model again."""
+        """Stage 1/2: all-gather every rank's updated shard so each rank holds the whole model again.
+
+        With ``--overlap-param-gather`` only the first unit's gather is launched here; each unit's forward
+        pre-hook then waits for its own and launches the next one's (``data_parallel.py``), so the gathers
+        run behind the next step's forward. Otherwise every bucket is gathered now.
+        """
         if self.zero_stage not in (1, 2) or self.dp_size == 1:
             return
-        pending: tuple[object, torch.Tensor] | None = None
-        for bucket in self.buckets + [None]:
-            launched = None
-            if bucket is not None:
-                # A separate input: the output region holding it would be overwritten while it is read.
-                shard = bucket.param_shard.clone()
-                launched = (comm.all_gather_flat(bucket.param_flat, shard, bucket.group, async_op=True), shard)
-            if pending is not None:  # one gather in flight: gloo's all-gather allocates twice the output size
-                work, shard_in_flight = pending
-                if work is not None:
-                    work.wait()
-                shard_in_flight.untyped_storage().resize_(0)  # freed on this thread (see _reduce)
-            pending = launched
+        for bucket in self.buckets:
+            bucket.params_stale = True
+        if self.overlap_param_gather and self.forward_order:
+            for bucket in self.forward_order[0][1]:
+                bucket.start_gather()
+            return
+        self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Stage 1/2: finish every pending gather of updated params (before params are read outside a forward:
+        checkpoints, the end of a run, the next optimizer step). One gather in flight: gloo's all-gather
+        allocates twice its output, and each holds a copy of its input shard."""
+        if self.zero_stage not in (1, 2):
+            return
+        previous: Bucket | None = None
+        for bucket in self.buckets:
+            bucket.start_gather()
+            if previous is not None:
+                previous.wait_gather()
+            previous = bucket
+        if previous is not None:
+            previous.wait_gather()
 
     def gather_all(self) -> None:
         """Stage 3: gather every bucket (checkpointing, tests); :meth:`release_all` frees them again."""

@@ -17,7 +17,8 @@ One step (:meth:`DistributedOptimizer.step`), after ``DataParallel.finish_grad_s
 2. global gradient norm over the whole world, each parameter counted once (clip_grads.py), and clipping;
 3. AdamW on the master shards: ``torch.optim.AdamW(fused=True)``, or the C++ ``CPUAdam`` with offload,
    which in the same pass writes the new bf16/fp16 values into the param shard;
-4. master -> param shard (cast) where the two differ; stage 1/2 all-gather the param shards.
+4. master -> param shard (cast) where the two differ; stage 1/2 all-gather the param shards (with
+   ``--overlap-param-gather`` unit by unit behind the next forward, see ``distributed/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ class DistributedOptimizer:
             with torch.no_grad():
                 self._copy_masters_to_params()
                 self.data_parallel.gather_updated_params()
+                self.data_parallel.finish_param_sync()  # loaded params are read right away (tests, eval)
         if self.scaler is not None and state.get("loss_scaler") is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
 

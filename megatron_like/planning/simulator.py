@@ -149,14 +149,16 @@ def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -
 
     Stage 2/3: the fp32 gradient of the chunk root (alive through the whole backward) and of one layer
     being accumulated, plus with ``--overlap-grad-reduce`` one more whose reduction is in flight.
-    Stage 3 also gathers the root's and one layer's parameters.
+    Stage 3 also gathers the root's and one layer's parameters, two layers' with ``--overlap-param-gather``
+    (the next one is prefetched while one computes).
     """
     p = config.parallel
     if p.zero_stage < 2 or config.data_parallel_size == 1:
         return 0.0
     layers_in_flight = 2 if p.overlap_grad_reduce else 1
     grads = 4.0 * (stage.root_unit + layers_in_flight * stage.layer_unit)
-    params = param_bytes * (stage.root_unit + stage.layer_unit) if p.zero_stage == 3 else 0.0
+    layers_gathered = 2 if p.overlap_param_gather else 1
+    params = param_bytes * (stage.root_unit + layers_gathered * stage.layer_unit) if p.zero_stage == 3 else 0.0
     return grads + params
 
 

@@ -213,8 +213,17 @@ def evaluate(config: Config, ps: ParallelState, forward_step_func: Callable, dat
 
 
 def _full_params_for_save(config: Config, model: list[nn.Module]) -> contextlib.AbstractContextManager:
-    """The torch format saves full parameters (gathered at ZeRO-3); torch_dist writes from each rank's shards."""
-    return gathered_parameters(model) if config.checkpoint.ckpt_format == "torch" else contextlib.nullcontext()
+    """The torch format saves full parameters (gathered at ZeRO-3); torch_dist writes from each rank's shards.
+
+    Both first finish the gathers of updated params that ``--overlap-param-gather`` leaves to the next forward.
+    """
+    if config.checkpoint.ckpt_format == "torch":
+        return gathered_parameters(model)
+    for chunk in model:
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        if buffer is not None:
+            buffer.finish_param_sync()
+    return contextlib.nullcontext()
 
 
 def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
@@ -334,6 +343,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         if test_iter is not None and log.eval_iters > 0:
             logger.evaluation(iteration, evaluate(config, ps, forward_step_func, test_iter, model, log.eval_iters),
                               split="test")
+    optimizer.data_parallel.finish_param_sync()  # the returned model holds its final params (overlap-param-gather)
     if config.checkpoint.async_save:  # the last checkpoint is complete and named before the run returns
         from megatron_like.training.dist_checkpointing import wait_for_async_save
 

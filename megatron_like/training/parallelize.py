@@ -47,7 +47,8 @@ def parallelize(config: Config, ps: ParallelState, model: list[nn.Module]) -> tu
                                                                                       DistributedOptimizer]:
     """Apply data parallelism / ZeRO (step 4) and build the optimizer (step 5) for this rank's chunks."""
     p = config.parallel
-    data_parallel = DataParallel(model, ps, zero_stage=p.zero_stage, overlap_grad_reduce=p.overlap_grad_reduce)
+    data_parallel = DataParallel(model, ps, zero_stage=p.zero_stage, overlap_grad_reduce=p.overlap_grad_reduce,
+                                 overlap_param_gather=p.overlap_param_gather)
     optimizer = DistributedOptimizer(data_parallel, config.optimizer, config.precision, ps,
                                      cpu_offload=p.optimizer_cpu_offload)
     return data_parallel, optimizer

@@ -19,6 +19,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 OVERLAP = ["--overlap-grad-reduce"]
 OFFLOAD = ["--optimizer-cpu-offload"]
+PARAM_GATHER = ["--overlap-param-gather"]  # ZeRO-3 prefetch; ZeRO-1/2 gather of updated params behind forward
 
 
 def zero(stage: int) -> list[str]:
@@ -42,6 +43,12 @@ CASES: dict[int, dict[str, list[str]]] = {
         "dp2-zero3-recompute-uniform": zero(3) + ["--recompute-granularity", "full", "--recompute-method",
                                                   "uniform", "--recompute-num-layers", "2"],
         "dp2-zero2-recompute-selective": zero(2) + OVERLAP + ["--recompute-granularity", "selective"],
+        "dp2-zero1-overlap-param-gather": zero(1) + OVERLAP + PARAM_GATHER,
+        "dp2-zero2-overlap-param-gather": zero(2) + PARAM_GATHER,
+        "dp2-zero3-prefetch": zero(3) + PARAM_GATHER,
+        "dp2-zero3-prefetch-overlap": zero(3) + OVERLAP + PARAM_GATHER,
+        "dp2-zero3-prefetch-recompute-uniform": zero(3) + PARAM_GATHER + [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
     },
     4: {
         "tp2-dp2-zero1": TP2 + zero(1),
@@ -56,6 +63,9 @@ CASES: dict[int, dict[str, list[str]]] = {
         "pp2-dp2-zero3": PP2 + zero(3),
         "pp2-dp2-zero3-offload-overlap": PP2 + zero(3) + OFFLOAD + OVERLAP,
         "pp2-vp2-dp2-zero3": PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + zero(3),
+        "pp2-vp2-dp2-zero3-prefetch": PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"] + zero(3)
+        + OVERLAP + PARAM_GATHER,
+        "pp2-dp2-zero1-overlap-param-gather": PP2 + zero(1) + OVERLAP + PARAM_GATHER,
     },
 }
 

@@ -5,6 +5,7 @@
   and without ``--overlap-grad-reduce``, 4 micro batches: each within 10% of the planner's figure,
   strictly decreasing from stage 0 to 3, and overlapping costs at most one bucket's transient gradient
   (not one full gradient per micro batch, the bug this file was written for).
+* ``--overlap-param-gather`` costs ZeRO-3 one more layer's gathered params (the prefetched one), nothing more.
 * Overlap: with ``--overlap-grad-reduce`` bucket reductions are launched asynchronously while backward
   still runs (other buckets' gradients arrive between a reduction's launch and its wait).
 
@@ -30,8 +31,9 @@ STAGES = range(4)
 OVERLAP = ["--overlap-grad-reduce"]
 
 
-def memory_flags(stage: int, overlap: bool) -> list[str]:
-    return FLAGS + ["--zero-stage", str(stage)] + (OVERLAP if overlap else [])
+def memory_flags(stage: int, overlap: bool, param_gather: bool = False) -> list[str]:
+    return FLAGS + ["--zero-stage", str(stage)] + (OVERLAP if overlap else []) \
+        + (["--overlap-param-gather"] if param_gather else [])
 
 
 def steady_state_peak_bytes(flags: list[str], world_size: int) -> int:
@@ -140,8 +142,8 @@ def overlap_worker(rank: int, world_size: int) -> dict[int, list[tuple[str, int]
 
 
 @functools.cache
-def peak(stage: int, overlap: bool) -> int:
-    return steady_state_peak_bytes(memory_flags(stage, overlap), DP)
+def peak(stage: int, overlap: bool, param_gather: bool = False) -> int:
+    return steady_state_peak_bytes(memory_flags(stage, overlap, param_gather), DP)
 
 
 @functools.cache
@@ -149,8 +151,8 @@ def timelines() -> list[dict[int, list[tuple[str, int]]]]:
     return run_distributed(overlap_worker, DP)
 
 
-def planned_bytes(stage: int, overlap: bool) -> float:
-    config = parse_config(memory_flags(stage, overlap), world_size=DP)
+def planned_bytes(stage: int, overlap: bool, param_gather: bool = False) -> float:
+    config = parse_config(memory_flags(stage, overlap, param_gather), world_size=DP)
     return plan_run(config, config.padded_vocab_size(config.model.vocab_size), device="cpu").max_device_bytes
 
 
@@ -192,3 +194,20 @@ def test_reductions_are_launched_while_backward_runs(stage: int) -> None:
             waited = next(i for i, (kind, m) in enumerate(timeline) if kind == "wait" and m == n)
             assert "grad" in kinds[launches[n] + 1 : waited], \
                 f"zero {stage} rank {rank}: reduction {n} was waited for before backward went on: {kinds}"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_parameter_prefetch_holds_at_most_one_more_layer(stage: int) -> None:
+    """``--overlap-param-gather``: ZeRO-3 holds its shards plus the root and two layers' gathered params (one
+    computing, one arriving), never more (a prefetch that was not freed, or one launched too early, would);
+    ZeRO-1/2 only a copy of one bucket's shard while it is gathered."""
+    from megatron_like.planning.simulator import stage_params
+
+    config = parse_config(memory_flags(stage, True, True), world_size=DP)
+    layer_bytes = 4 * stage_params(config, config.padded_vocab_size(config.model.vocab_size), 0).layer_unit  # fp32
+    planned, measured, without = planned_bytes(stage, True, True), peak(stage, True, True), peak(stage, True)
+    assert abs(planned - measured) / measured < 0.10, \
+        f"zero {stage} prefetch: planned {planned / 2**20:.3f} MiB, measured {measured / 2**20:.3f} MiB"
+    allowed = layer_bytes if stage == 3 else 0
+    assert measured - without <= allowed + 0.02 * without, \
+        f"zero {stage}: prefetch adds {(measured - without) / 2**20:.3f} MiB, one layer is {layer_bytes / 2**20:.3f}"

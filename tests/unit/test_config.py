@@ -63,6 +63,7 @@ def test_round_trip_through_dict():
         (["--hidden-dropout", "1.5"], 1, "--hidden-dropout 1.5 must be in [0, 1)"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size > 1"),
         (["--recompute-granularity", "full"], 1, "--recompute-granularity full needs --recompute-method"),
+        (["--overlap-param-gather"], 2, "--overlap-param-gather needs --zero-stage 1, 2 or 3"),
     ],
 )
 def test_invalid_values_fail_with_one_line(flags, world_size, message):
