@@ -8,11 +8,13 @@ One process, fp32, the model built once with random weights and converted to a `
 with ``megatron_like.inference.hf_gpt2`` (``--llama``: a Llama-style model, 2 query groups, ffn 1408,
 vocabulary 32000, converted to a ``LlamaForCausalLM`` with ``hf_llama``; so both run identical weights); both
 generate greedily with their KV cache for exactly ``--new-tokens`` tokens after a ``--prompt-length`` prompt.
-Each side runs ``--repeats`` times after a short warm-up, rotating which side goes first; the best time counts (the
-machine is shared: the best run is the one least disturbed). "ours" multiplies by weights prepacked for
-the batch's row count (``megatron_like.inference.packed_linear``, as tools/generate.py and the server
-do); "ours, F.linear" is the same generation without it. Prints a table with tokens/s and the ratio
-(ours / HF), and checks that all three generated the same tokens.
+Each side runs ``--repeats`` times after a short warm-up, in one process, rotating which side goes first, and
+the *median* counts. Two clocks: wall time (tokens/s, what a user sees) and this thread's CPU time
+(``time.thread_time``: the work each side does, which stays meaningful on a loaded machine where wall time
+also counts the time other processes held the core). "ours" multiplies by weights prepacked for the
+batch's row count (``megatron_like.inference.packed_linear``, as tools/generate.py and the server do);
+"ours, F.linear" is the same generation without it. Prints a table with tokens/s and the ratios
+(ours / HF), and stops with an error unless all three generated the same tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -59,19 +62,21 @@ def build_models(layers: int, hidden: int, heads: int, vocab: int, positions: in
     return ours, hf
 
 
-def run_ours(model, prompts: torch.Tensor, new_tokens: int, vocab: int) -> tuple[float, list[list[int]]]:
+def run_ours(model, prompts: torch.Tensor, new_tokens: int, vocab: int) -> tuple[float, float, list[list[int]]]:
+    """(wall seconds, CPU seconds of this thread, generated ids) of our greedy generation."""
     params = GenerationParams(max_new_tokens=new_tokens)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     out = generate(model, prompts.tolist(), params, eod=None, vocab_size=vocab)
-    return time.perf_counter() - start, [seqs[0].token_ids for seqs in out]
+    return time.perf_counter() - start, time.thread_time() - cpu, [seqs[0].token_ids for seqs in out]
 
 
 @torch.inference_mode()
-def run_hf(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
+def run_hf(hf, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float, list[list[int]]]:
+    """(wall seconds, CPU seconds of this thread, generated ids) of ``hf.generate``, greedy."""
+    start, cpu = time.perf_counter(), time.thread_time()
     out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start, out[:, prompts.shape[1]:].tolist()
+    return time.perf_counter() - start, time.thread_time() - cpu, out[:, prompts.shape[1]:].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch.set_num_threads; 1 by default: on a shared 2-core machine more threads "
                              "than free cores make OpenMP spin and both sides' times meaningless")
-    parser.add_argument("--repeats", type=int, default=3, help="Rotating runs per side; the best counts.")
+    parser.add_argument("--repeats", type=int, default=5, help="Rotating runs per side; the median counts.")
     args = parser.parse_args(argv)
     args.vocab_size = args.vocab_size or (32000 if args.llama else 50257)
     if args.threads:
@@ -108,29 +113,39 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    print("| batch | ours tokens/s | ours, F.linear tokens/s | HF generate tokens/s | ratio | same tokens |")
-    print("|---:|---:|---:|---:|---:|:---:|")
+    print(f"# {args.repeats} runs per side, order rotated, medians; load average before: {os.getloadavg()[0]:.1f}")
+    print("| batch | ours tokens/s | ours, F.linear tokens/s | HF generate tokens/s | ratio (wall) | "
+          "ratio (CPU time) | same tokens |")
+    print("|---:|---:|---:|---:|---:|---:|:---:|")
     for batch in args.batch_sizes:
         prompts = torch.randint(0, args.vocab_size, (batch, args.prompt_length), generator=gen)
-        best = {"packed": float("inf"), "plain": float("inf"), "hf": float("inf")}
+        wall: dict[str, list[float]] = {"packed": [], "plain": [], "hf": []}
+        cpu: dict[str, list[float]] = {"packed": [], "plain": [], "hf": []}
         ids = {}
         for repeat in range(args.repeats):  # rotate the order so a load spike does not hit one side only
             sides = ["packed", "plain", "hf"]
             for side in sides[repeat % 3:] + sides[: repeat % 3]:
                 if side == "hf":
-                    t, ids[side] = run_hf(hf, prompts, args.new_tokens)
+                    t, c, out = run_hf(hf, prompts, args.new_tokens)
                 else:
                     if side == "packed":
                         pack_linears([ours], batch)
                     else:
                         unpack_linears([ours])
-                    t, ids[side] = run_ours(ours, prompts, args.new_tokens, args.vocab_size)
-                best[side] = min(best[side], t)
+                    t, c, out = run_ours(ours, prompts, args.new_tokens, args.vocab_size)
+                if ids.setdefault(side, out) != out:
+                    raise SystemExit(f"batch {batch}: {side} generated other tokens than in its first run")
+                wall[side].append(t)
+                cpu[side].append(c)
         unpack_linears([ours])
+        if not ids["packed"] == ids["plain"] == ids["hf"]:
+            raise SystemExit(f"batch {batch}: ours, ours with F.linear and HF generate produced different tokens")
         tokens = batch * args.new_tokens
-        same = "yes" if ids["packed"] == ids["plain"] == ids["hf"] else "no"
-        print(f"| {batch} | {tokens / best['packed']:.1f} | {tokens / best['plain']:.1f} | {tokens / best['hf']:.1f} | "
-              f"{best['hf'] / best['packed']:.2f}x | {same} |", flush=True)
+        med = {side: (statistics.median(wall[side]), statistics.median(cpu[side])) for side in wall}
+        print(f"| {batch} | {tokens / med['packed'][0]:.1f} | {tokens / med['plain'][0]:.1f} | "
+              f"{tokens / med['hf'][0]:.1f} | {med['hf'][0] / med['packed'][0]:.2f}x | "
+              f"{med['hf'][1] / med['packed'][1]:.2f}x | yes |", flush=True)
+    print(f"# load average after: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,18 @@ buffers take the shape of the first keys stored), filled left to right: a prompt
 ``[0, s)`` in one forward (prefill), then every decode step appends one position. Prompts of different
 lengths are *left padded* so that every row's next token sits at the same column; ``valid [b, max_length]``
 says which columns hold real tokens, and the attention mask keeps queries off the padding.
+
+Everything a decode step needs besides the new tokens is made once and reused: the buffers (written in
+place, never concatenated), the attention mask (shared by all layers of a step) and the rotary cos/sin
+tables of all ``max_length`` columns (sliced per step; rotary angles are elementwise in the position, so
+the slice equals tables computed for the step's positions alone).
 """
 
 from __future__ import annotations
 
 import torch
+
+from megatron_like.model.rotary import rotary_cos_sin
 
 
 class KVCache:
@@ -30,6 +37,7 @@ class KVCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self._mask: tuple[tuple[int, int], torch.Tensor | None] | None = None
+        self._rotary: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -46,6 +54,15 @@ class KVCache:
         self.keys[layer][:, :, self.offset:end] = k
         self.values[layer][:, :, self.offset:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self.attention_mask(s, k.device)
+
+    def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[s, rotary_dim]`` of columns ``[offset, offset + s)`` (views of tables built on first use)."""
+        key = (rotary_dim, base)
+        if key not in self._rotary:
+            self._rotary[key] = rotary_cos_sin(torch.arange(self.max_length, device=device), rotary_dim, base)
+        cos, sin = self._rotary[key]
+        return cos[self.offset:self.offset + s], sin[self.offset:self.offset + s]
 
     def attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
         """The mask of queries ``[offset, offset + s)`` over keys ``[0, offset + s)``, shared by all layers."""

@@ -102,12 +102,14 @@ class SelfAttention(nn.Module):
             dtype=dtype, device=ps.device,
         )
 
-    def split_qkv(self, qkv: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_qkv(self, qkv: torch.Tensor, rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[s, b, (np + 2 ng) hd]`` -> q ``[b, np, s, hd]``, k and v ``[b, ng, s, hd]``, rotated.
 
-        ``offset``: position of the first of the ``s`` tokens (cached tokens in generation); training
-        sees whole sequences (the QKV linear gathered the sequence-parallel shards), so positions are
-        ``0 .. s - 1`` on every tp rank and pipeline stage.
+        ``rotary_tables``: cos and sin ``[s, rotary_dim]`` of the tokens' positions (generation: they
+        continue after the cached tokens, see ``KVCache.rotary_tables``); None = positions ``0 .. s - 1``:
+        training sees whole sequences (the QKV linear gathered the sequence-parallel shards), so those are
+        the positions on every tp rank and pipeline stage.
         """
         s, b, _ = qkv.shape
         ng = self.groups_per_rank
@@ -117,8 +119,9 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary:
-            positions = torch.arange(offset, offset + s, device=qkv.device)
-            cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rotary_base)
+            if rotary_tables is None:
+                rotary_tables = rotary_cos_sin(torch.arange(s, device=qkv.device), self.rotary_dim, self.rotary_base)
+            cos, sin = rotary_tables
             q, k = fused_apply_rotary(q, cos, sin), fused_apply_rotary(k, cos, sin)
         return q, k, v
 
@@ -167,9 +170,13 @@ class SelfAttention(nn.Module):
         ``inference_context.update_kv(layer, k, v)`` appends this step's keys and values ``[b, ng, s, hd]``
         (one per query group: the cache is sized by groups) to its cache and returns every cached key and
         value ``[b, ng, t, hd]`` with the attention mask (bool ``[b, 1, s, t]``, True = attend; None = attend
-        to all) that encodes causality and padding. Rotary positions continue after the cached tokens.
+        to all) that encodes causality and padding. Rotary positions continue after the cached tokens; their
+        tables are built once per generation by the cache and sliced per step.
         """
-        q, k, v = self.split_qkv(qkv, offset=inference_context.offset)
+        tables = None
+        if self.rotary:
+            tables = inference_context.rotary_tables(qkv.shape[0], self.rotary_dim, self.rotary_base, qkv.device)
+        q, k, v = self.split_qkv(qkv, tables)
         k, v, mask = inference_context.update_kv(self.layer, k, v)  # (b, ng, t, hd)
         context = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.groups_per_rank != self.heads_per_rank

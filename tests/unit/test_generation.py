@@ -183,7 +183,7 @@ def test_prepacked_weights_give_the_same_logits_and_tokens_and_leave_training_al
     from megatron_like.inference.packed_linear import available, ensure_packed, unpack_linears
 
     if not available():
-        pytest.skip("this torch build has no MKL packed GEMM")
+        pytest.skip("this torch build has neither oneDNN nor MKL packed GEMM")
     model = tiny_model(vocab=60, std=0.3)
     keys = sorted(model.state_dict())
     ids, pos = torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.arange(3)[None].expand(2, -1)

@@ -208,3 +208,54 @@ def test_no_position_embeddings_at_all():
     loss = model(ids, None, labels=ids).mean()
     loss.backward()
     assert torch.isfinite(loss) and model.layers[0].attention.qkv.weight.grad.abs().sum() > 0
+
+
+def test_decode_steps_run_the_fast_path(hf_and_ours, monkeypatch):
+    """What makes generation fast, checked without a clock: after the prefill each decode step feeds one
+    position, into a cache preallocated once and written in place, returns the last position's logits only,
+    runs under inference mode through the prepacked linears (oneDNN for several rows), and rotary tables are
+    built once per generation. Packed tokens equal the unpacked ones."""
+    from megatron_like.inference import GenerationParams, generate, kv_cache, packed_linear
+    from megatron_like.model import transformer
+
+    _, ours = hf_and_ours
+    if not packed_linear.available():
+        pytest.skip("this torch build has neither oneDNN nor MKL packed GEMM")
+    prompts, new = [[1, 2, 3, 4, 5, 6], [7, 8], [9, 10, 11]], 6
+    expected = generate(ours, prompts, GenerationParams(max_new_tokens=new), vocab_size=VOCAB)
+    seen, calls = [], {"packed": 0, "tables": 0}
+
+    def record(module, args, kwargs, output):
+        cache = kwargs["inference_context"]
+        seen.append((args[0].shape[1], tuple(output.shape), cache.keys[0].data_ptr(), tuple(cache.keys[0].shape),
+                     torch.is_inference_mode_enabled()))
+
+    def counting(original, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(packed_linear, "_packed_matmul", counting(packed_linear._packed_matmul, "packed"))
+    monkeypatch.setattr(kv_cache, "rotary_cos_sin", counting(kv_cache.rotary_cos_sin, "tables"))
+    def training_tables(*args):
+        raise AssertionError("a decode step recomputed rotary tables instead of slicing the cache's")
+
+    monkeypatch.setattr(transformer, "rotary_cos_sin", training_tables)
+    hook = ours.register_forward_hook(record, with_kwargs=True)
+    try:
+        packed_linear.ensure_packed([ours], len(prompts))
+        assert ours.output_layer._packed_backend == ("onednn" if packed_linear._has_onednn() else "mkl")
+        packed = generate(ours, prompts, GenerationParams(max_new_tokens=new), vocab_size=VOCAB)
+    finally:
+        hook.remove()
+        packed_linear.unpack_linears([ours])
+    assert [g[0].token_ids for g in packed] == [g[0].token_ids for g in expected]
+    assert [fed for fed, *_ in seen] == [6] + [1] * (new - 1)  # the prefill, then one position per step
+    assert {out for _, out, *_ in seen} == {(3, 1, VOCAB)}  # logits of the last position only
+    assert len({ptr for _, _, ptr, *_ in seen}) == 1  # one buffer, written in place (no torch.cat)
+    assert {shape for *_, shape, _ in seen} == {(3, GROUPS, 6 + new, H // HEADS)}  # sized once, by query groups
+    assert all(inference for *_, inference in seen)
+    assert calls == {"packed": new * (4 * LAYERS + 1), "tables": 1}  # every linear of every forward was packed
+    if packed_linear._has_mkl():
+        assert packed_linear.backend(1) == "mkl"  # one row: MKL's packed GEMV-like path is the faster one
