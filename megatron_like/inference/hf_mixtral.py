@@ -16,6 +16,8 @@ HF (in ``model.layers.<i>.block_sparse_moe.``)         ours (in ``layers.<i>.mlp
 Routing agrees: HF takes the softmax over all experts, keeps the top k and renormalizes them, which equals our
 default order (softmax over the top-k logits). Only layouts HF can hold convert: every layer MoE, no shared
 expert, no capacity dropping, the default top-k order, no Sinkhorn (its eval weights are not renormalized).
+``router_aux_loss_coef`` and ``--moe-aux-loss-coeff`` are copied into each other although the losses differ in
+scale (HF's is k times ours and pools the layers): a training choice, not part of the model.
 """
 
 from __future__ import annotations
