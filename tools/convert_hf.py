@@ -1,5 +1,5 @@
 """Convert between our checkpoints (any tp/pp layout) and Hugging Face ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Qwen2ForCausalLM`` directories.
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``MixtralForCausalLM`` directories.
 
     python tools/convert_hf.py to-hf --load checkpoints/gpt --save hf/gpt
     python tools/convert_hf.py from-hf --load hf/llama --save checkpoints/llama-tp2pp2 \\
@@ -7,7 +7,9 @@
 
 The family follows the model: a GPT-2-style checkpoint (learned positions, LayerNorm, GELU, biases) becomes a
 ``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
-``Qwen2ForCausalLM`` with ``--add-qkv-bias``. ``from-hf`` reads ``model_type`` (gpt2, llama, mistral, qwen2).
+``Qwen2ForCausalLM`` with ``--add-qkv-bias``, a ``MixtralForCausalLM`` with ``--num-experts``. ``from-hf`` reads
+``model_type`` (gpt2, llama, mistral, qwen2, mixtral). Mixture-of-experts checkpoints are written at expert
+parallelism 1 (checkpoints at ``--expert-model-parallel-size > 1`` do not exist yet, docs/moe.md).
 
 ``to-hf`` merges every ``mp_rank_TT_PPP`` shard, trims the padded vocabulary to the real one (the
 tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``, ``model.safetensors``
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_like.config import Config, DataConfig, ModelConfig  # noqa: E402
-from megatron_like.inference import hf_gpt2, hf_llama  # noqa: E402
+from megatron_like.inference import hf_gpt2, hf_llama, hf_mixtral  # noqa: E402
 from megatron_like.model.state import TRACKER_FILE, load_full_state, shard_full_state  # noqa: E402
 
 
@@ -75,12 +77,19 @@ def to_hf(args: argparse.Namespace) -> None:
     config, full = load_full_state(args.load, args.iteration)
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab, eod = real_vocab(config, rows, args.vocab_size)
-    family = hf_llama if is_llama_style(config.model) else hf_gpt2
+    family = hf_family(config.model)
     hf_config = family.hf_config(config.model, vocab, eod)
     hf_state = family.to_hf_state(full, config.model, vocab)
     hf_gpt2.save_hf_dir(args.save, hf_state, hf_config, tokenizer_files(config.data))
     print(f"wrote a {hf_config['architectures'][0]} ({config.model.num_layers} layers, vocabulary {vocab}) "
           f"to {args.save}")
+
+
+def hf_family(model: ModelConfig):
+    """The converter module of our model: Mixtral (experts), Llama-style, or GPT-2."""
+    if model.num_experts is not None:
+        return hf_mixtral
+    return hf_llama if is_llama_style(model) else hf_gpt2
 
 
 def is_llama_style(model: ModelConfig) -> bool:
@@ -92,7 +101,8 @@ def from_hf(args: argparse.Namespace) -> None:
     from megatron_like.training.checkpointing import rng_state
 
     hf_config, hf_state = hf_gpt2.read_hf_dir(args.load)
-    family = hf_llama if hf_config.get("model_type") in hf_llama.FAMILIES else hf_gpt2
+    model_type = hf_config.get("model_type")
+    family = hf_mixtral if model_type == "mixtral" else hf_llama if model_type in hf_llama.FAMILIES else hf_gpt2
     config = Config()
     config.model = family.model_config_from_hf(hf_config)
     p = config.parallel
@@ -136,12 +146,13 @@ def from_hf(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 directory")
+    a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 / Mixtral directory")
     a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp layout).")
     a.add_argument("--save", required=True, help="Output Hugging Face directory.")
     a.add_argument("--iteration", type=int, help="Iteration to convert (default: the latest).")
     a.add_argument("--vocab-size", type=int, help="Real vocabulary size (default: the tokenizer's or config's).")
-    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 / Llama / Mistral / Qwen2 directory -> our checkpoint")
+    b = sub.add_parser("from-hf",
+                       help="Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Mixtral directory -> our checkpoint")
     b.add_argument("--load", required=True, help="Hugging Face model directory (config.json + weights).")
     b.add_argument("--save", required=True, help="Output checkpoint directory.")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)

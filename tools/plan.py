@@ -6,7 +6,9 @@
 Takes every ``pretrain_gpt.py`` flag (data files are never opened) plus the options below, builds the
 model of each pipeline role on the meta device under a fake process group of ``--world-size`` ranks
 (``megatron_like.planning.simulator``) and prints one row per pipeline rank and the line
-``max memory per device: X GiB``. Exits 1 when a rank would exceed ``--device-memory-gib``.
+``max memory per device: X GiB``. Exits 1 when a rank would exceed ``--device-memory-gib``. With
+``--num-experts`` it also prints the active parameters per token and the bytes each rank sends through the token
+dispatcher per iteration (docs/launch.md, docs/moe.md).
 """
 
 from __future__ import annotations

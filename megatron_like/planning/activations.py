@@ -24,6 +24,21 @@ The Llama family changes three of these terms (``g`` query groups, ``f = ffn / h
 * RMSNorm (the fused kernel) keeps its input ``e`` and one float32 ``1 / rms`` per row, as LayerNorm keeps
   its input ``e``.
 
+An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
+and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
+``N`` (token, expert) pairs (``T k``; with a capacity ``min(T k, E C)``, an upper bound as some experts take
+fewer than ``C``; exactly ``E C`` when padded):
+
+* the router's fp32 copy of its input ``4 T h``, its ``[T, E]`` logits/probabilities and ``[T, k]``, ``[N]``
+  indices (small: ``(13 + 4 [e != 4]) T E + 12 T k + 12 N`` bytes);
+* the experts' input ``N h e``, their SwiGLU ``3 f_e N e / tp`` (GELU ``2 f_e``), and the fp32 expert output
+  and its router-weighted copy, ``8 N h``, that un-permutation keeps;
+* a shared expert's MLP terms as a dense MLP of its hidden size (its input ``e``, split like the MLP input).
+
+With expert parallelism a rank runs its local experts on the pairs it receives: ``T k`` under balanced routing,
+the same ``N`` as one process. A stage's per-layer figure averages its MoE and dense layers over the model's
+``--moe-layer-freq`` pattern.
+
 These are the compiled kernels' figures (the default install, CPU and CUDA). The pure-PyTorch fallbacks
 (``MEGATRON_LIKE_NO_CSRC=1``) keep more: silu(gate) ``f e`` more for SwiGLU, a float32 copy of the input
 for RMSNorm.
@@ -46,6 +61,7 @@ theirs, so it needs workspace only when every layer of the chunk is recomputed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_like.config import Config
@@ -94,8 +110,14 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         qkv += (2 + group_ratio) * e  # rotated Q, rotated K widened to a heads, a g-head copy
     elif m.query_groups != a:
         qkv += e  # Q copied out of the grouped QKV layout
-    mlp = (3 if m.swiglu else 2) * e * ffn_ratio  # SwiGLU: gate/up output 2f, result f; GELU: input, output
+    mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate/up output 2f, result f; GELU: input, output
+    mlp = mlp_matrices * e * ffn_ratio
     split = (qkv + e + mlp) * s * b * h / tp
+    pattern = m.moe_layer_pattern
+    moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
+    if moe_fraction:  # average the dense MLP terms with the MoE layer's (module docstring)
+        dense_mlp = e * s * b * h / (tp if p.sequence_parallel else 1) + mlp * s * b * h / tp
+        replicated += moe_fraction * (moe_mlp_activation_bytes(config) - dense_mlp)
     core = 0.0
     attention_dropout = m.attention_dropout > 0
     if recompute != "selective":
@@ -107,6 +129,33 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         else:
             core = 4 * a * s * b / tp  # flash attention's log-sum-exp
     return replicated + split + core
+
+
+def routed_pairs(config: Config) -> int:
+    """(Token, expert) pairs one micro batch sends through the experts: ``T k``, capped by the capacity."""
+    m = config.model
+    tokens, k, experts = m.seq_length * config.training.micro_batch_size, m.moe_router_topk, m.num_experts
+    if m.moe_expert_capacity_factor is None:
+        return tokens * k
+    capacity = min(tokens, math.ceil(m.moe_expert_capacity_factor * tokens * k / experts))
+    return experts * capacity if m.moe_pad_expert_input_to_capacity else min(tokens * k, experts * capacity)
+
+
+def moe_mlp_activation_bytes(config: Config) -> float:
+    """Bytes one MoE layer's router, experts and shared expert keep for one micro batch on one rank."""
+    m, p = config.model, config.parallel
+    s, b, h = m.seq_length, config.training.micro_batch_size, m.hidden_size
+    tp, e = p.tensor_model_parallel_size, element_bytes(config)
+    tokens, pairs, experts = s * b, routed_pairs(config), m.num_experts
+    mlp_matrices = 3 if m.swiglu else 2
+    router = 4 * tokens * h + (13 + (4 if e != 4 else 0)) * tokens * experts + 12 * tokens * m.moe_router_topk \
+        + 12 * pairs
+    expert_terms = pairs * (h * e + mlp_matrices * m.moe_ffn_size * e / tp + 8 * h)
+    shared = 0.0
+    if m.moe_shared_expert_intermediate_size:
+        shared = e * tokens * h / (tp if p.sequence_parallel else 1) \
+            + mlp_matrices * m.moe_shared_expert_intermediate_size * e * tokens / tp
+    return router + expert_terms + shared
 
 
 def microbatches_alive(config: Config, pp_rank: int) -> float:

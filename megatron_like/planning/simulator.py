@@ -7,7 +7,10 @@ Per pipeline rank it then adds:
 
 * weights, gradients and optimizer state from the ZeRO table of ``megatron_like.distributed.memory``
   (fp32 ``main_grad``; fp32 masters when params are 16-bit; optimizer state in host memory with
-  ``--optimizer-cpu-offload``);
+  ``--optimizer-cpu-offload``); with ``--num-experts`` the rank's ``E / ep`` experts (the meta model holds
+  only those) are sharded over the expert-data-parallel group of ``dp / ep`` ranks, the rest over dp;
+* with expert parallelism, the bytes each rank sends through the token dispatcher per iteration
+  (:func:`expert_parallel_bytes`);
 * activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
   schedule, recomputation, sequence parallelism);
 * at ZeRO-2/3 the unsharded buffers of the units in use during backward (:func:`zero_transient_bytes`:
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_like.config import Config
 from megatron_like.distributed.buffers import build_units
-from megatron_like.distributed.memory import theoretical_state_bytes
+from megatron_like.distributed.memory import StateBytes, theoretical_state_bytes
 from megatron_like.model import GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
 from megatron_like.planning.activations import ActivationBytes, activation_bytes
@@ -47,7 +50,7 @@ class RankPlan:
 
     pp_rank: int
     params: int
-    """Parameters this rank holds (its tp slices of its stage's layers)."""
+    """Parameters this rank holds (its tp slices of its stage's layers, its ``E / ep`` experts)."""
     weight_bytes: float
     grad_bytes: float
     optimizer_bytes: float
@@ -57,6 +60,10 @@ class RankPlan:
     activations: ActivationBytes
     zero_transient_bytes: float = 0.0
     """ZeRO-2/3's unsharded buffers of the units in use during backward (:func:`zero_transient_bytes`)."""
+    expert_params: int = 0
+    """Of ``params``, the expert weights (sharded by ZeRO over the expert-data-parallel group)."""
+    dispatcher_bytes: float = 0.0
+    """Bytes this rank sends through the MoE token dispatcher per iteration (:func:`expert_parallel_bytes`)."""
 
     @property
     def device_bytes(self) -> float:
@@ -72,6 +79,8 @@ class Plan:
     ranks: list[RankPlan]
     total_params: int
     """Parameters of the whole model (the tied embedding counted once)."""
+    active_params: int
+    """Parameters one token meets: ``total_params`` less the experts it is not routed to (equal without MoE)."""
     flops_per_iteration: float
     bubble: float
     """Fraction of an iteration each device idles in the pipeline fill and drain."""
@@ -107,6 +116,8 @@ class StageParams:
     ZeRO-2/3 its full gradient held, through the chunk's whole forward / backward."""
     layer_unit: int
     """The largest transformer layer: ZeRO-2/3's unit of gradient reduction, ZeRO-3's of gathering."""
+    expert: int = 0
+    """Of ``total``, the expert weights this rank holds (parameters marked ``expert_parallel``)."""
 
 
 def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> int:
@@ -126,7 +137,7 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
     with fake_world(world, rank):
         ps = ParallelState.initialize(parallel, world)
         ps.device = torch.device("meta")
-        total = root_unit = layer_unit = 0
+        total = root_unit = layer_unit = expert = 0
         with torch.device("meta"):
             for v in range(vp):
                 chunk = GPTModel(config.model, ps, vocab_size=padded_vocab_size, seed=0,
@@ -134,6 +145,7 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
                                  pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
                                  sequence_parallel=p.sequence_parallel, dtype=torch.float32)
                 total += sum(param.numel() for param in chunk.parameters())
+                expert += sum(param.numel() for param in chunk.parameters() if getattr(param, "expert_parallel", False))
                 for module, buckets in build_units(chunk):
                     size = sum(param.numel() for bucket in buckets for param in bucket)
                     if module is chunk:
@@ -141,7 +153,7 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
                     else:
                         layer_unit = max(layer_unit, size)
     assert tp == ps.tp_size
-    return StageParams(total, root_unit, layer_unit)
+    return StageParams(total, root_unit, layer_unit, expert)
 
 
 def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -> float:
@@ -162,6 +174,64 @@ def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -
     return grads + params
 
 
+def state_bytes(config: Config, stage: StageParams, param_bytes: int, separate_master: bool) -> StateBytes:
+    """Weights, gradients and optimizer state of one rank: dense parameters ZeRO-sharded over dp, the rank's
+    experts over the expert-data-parallel group (``dp / ep`` ranks holding the same experts)."""
+    p, dp = config.parallel, config.data_parallel_size
+    dense = theoretical_state_bytes(stage.total - stage.expert, dp, p.zero_stage, param_bytes, separate_master)
+    experts = theoretical_state_bytes(stage.expert, dp // p.expert_model_parallel_size, p.zero_stage, param_bytes,
+                                      separate_master)
+    return StateBytes(dense.params + experts.params, dense.grads + experts.grads, dense.optimizer + experts.optimizer)
+
+
+def stage_moe_layers(config: Config, pp_rank: int) -> int:
+    """MoE layers held by pipeline stage ``pp_rank`` (all its virtual chunks)."""
+    p, m = config.parallel, config.model
+    pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    return sum(m.is_moe_layer(layer) for v in range(vp)
+               for layer in chunk_layers(m.num_layers, pp, pp_rank, vp, v))
+
+
+def expert_parallel_bytes(config: Config, pp_rank: int) -> float:
+    """Bytes one rank of stage ``pp_rank`` sends through the token dispatcher in one iteration (as
+    ``collectives.count_traffic`` counts them), assuming balanced routing.
+
+    Per MoE layer and micro batch of ``T = s b`` tokens (whole on every tp rank), ``ep`` ranks, element size
+    ``e`` (fp32 where the code computes in fp32):
+
+    * ``alltoall``: each pass sends the ``T k (ep - 1) / ep`` pairs bound for other ranks' experts, ``h e``
+      bytes each: dispatch and combine forward, their mirrors backward (4 passes), plus the ``E`` per-expert
+      counts (int64) once per forward;
+    * ``allgather``: forward all-gathers tokens (``e``), router probabilities (fp32 ``[T, E]``) and routing map
+      (uint8) and reduce-scatters the fp32 outputs, each a ring sending ``(ep - 1) T`` rows; backward
+      reduce-scatters the token and probability gradients and all-gathers the fp32 output gradient.
+
+    Full recomputation runs the forward's collectives again for the recomputed layers.
+    """
+    p, m = config.parallel, config.model
+    ep = p.expert_model_parallel_size
+    if ep == 1 or m.num_experts is None:
+        return 0.0
+    from megatron_like.planning.activations import element_bytes
+
+    tokens, h, e, experts, k = (m.seq_length * config.training.micro_batch_size, m.hidden_size,
+                                element_bytes(config), m.num_experts, m.moe_router_topk)
+    if m.moe_token_dispatcher_type == "alltoall":
+        one_pass = tokens * k * (ep - 1) / ep * h * e
+        counts = 8 * experts * (ep - 1) / ep
+        forward, backward = 2 * one_pass + counts, 2 * one_pass
+    else:
+        rows = (ep - 1) * tokens
+        forward = rows * (h * e + 4 * experts + experts + 4 * h)
+        backward = rows * (h * e + 4 * experts + 4 * h)
+    recomputed = 0.0
+    if m.recompute_granularity == "full":
+        chunk = m.num_layers // (p.pipeline_model_parallel_size * config.virtual_pipeline_size)
+        recomputed = 1.0 if m.recompute_method == "uniform" else min(m.recompute_num_layers, chunk) / chunk
+    per_layer = forward * (1 + recomputed) + backward
+    return per_layer * stage_moe_layers(config, pp_rank) * config.num_microbatches
+
+
 def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.0,
              efficiency: float = 0.45, device: str = "cuda") -> Plan:
     """Memory of every pipeline rank and the speed estimate of ``config`` (see the module docstring).
@@ -171,7 +241,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     whose activations are counted.
     """
     p, m = config.parallel, config.model
-    pp, dp = p.pipeline_model_parallel_size, config.data_parallel_size
+    pp = p.pipeline_model_parallel_size
     roles = sorted({0, min(1, pp - 1), pp - 1})
     counts = {r: stage_params(config, padded_vocab_size, r) for r in roles}
     param_bytes = PARAM_BYTES[config.params_dtype_name]
@@ -179,20 +249,25 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     ranks = []
     for pp_rank in range(pp):
         stage = counts[pp_rank if pp_rank in counts else min(1, pp - 1)]
-        params = stage.total
-        state = theoretical_state_bytes(params, dp, p.zero_stage, param_bytes, separate_master)
+        state = state_bytes(config, stage, param_bytes, separate_master)
         offloaded = p.optimizer_cpu_offload
         ranks.append(RankPlan(
-            pp_rank=pp_rank, params=params, weight_bytes=state.params, grad_bytes=state.grads,
+            pp_rank=pp_rank, params=stage.total, weight_bytes=state.params, grad_bytes=state.grads,
             optimizer_bytes=0 if offloaded else state.optimizer, host_bytes=state.optimizer if offloaded else 0,
             activations=activation_bytes(config, pp_rank, padded_vocab_size, device),
-            zero_transient_bytes=zero_transient_bytes(config, stage, param_bytes),
+            zero_transient_bytes=zero_transient_bytes(config, stage, param_bytes), expert_params=stage.expert,
+            dispatcher_bytes=expert_parallel_bytes(config, pp_rank),
         ))
     single = copy.deepcopy(config)
     single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
+    single.parallel.expert_model_parallel_size = 1
     single.parallel.num_layers_per_virtual_pipeline_stage = None
     single.world_size = 1
-    total_params = count_stage_params(single, padded_vocab_size, 0)
+    whole = stage_params(single, padded_vocab_size, 0)
+    total_params = whole.total
+    active_params = total_params
+    if m.num_experts:  # a token visits k of the E experts of each MoE layer
+        active_params -= round(whole.expert * (m.num_experts - m.moe_router_topk) / m.num_experts)
     tokens = config.global_batch_size * m.seq_length
     flops = flops_per_token(config, padded_vocab_size) * tokens
     layer_fraction = 1.0 - padded_vocab_size * m.hidden_size * 6.0 / flops_per_token(config, padded_vocab_size)
@@ -204,19 +279,23 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     bubble = (pp - 1) / (vp * micro + pp - 1)
     compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)
     iteration_seconds = compute_seconds / (1.0 - bubble)
-    return Plan(config, ranks, total_params, flops, bubble, iteration_seconds, tokens / iteration_seconds)
+    return Plan(config, ranks, total_params, active_params, flops, bubble, iteration_seconds,
+                tokens / iteration_seconds)
 
 
 def format_plan(plan: Plan, device_memory_gib: float) -> str:
     """The per-rank table and summary lines ``tools/plan.py`` prints."""
     c, p = plan.config, plan.config.parallel
+    ep = p.expert_model_parallel_size
+    experts = f", ep {ep} (expert-dp {c.data_parallel_size // ep})" if ep > 1 else ""
+    active = f" (active per token: {plan.active_params / 1e9:.3f} B)" if plan.active_params != plan.total_params else ""
     lines = [
         f" > plan: world {c.world_size} = tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size}"
-        f" x dp {c.data_parallel_size} (vp {c.virtual_pipeline_size}), zero stage {p.zero_stage}, "
+        f" x dp {c.data_parallel_size} (vp {c.virtual_pipeline_size}){experts}, zero stage {p.zero_stage}, "
         f"{c.params_dtype_name}, sequence parallel {p.sequence_parallel}, recompute "
         f"{c.model.recompute_granularity or 'none'}, micro batches {c.num_microbatches} x "
         f"{c.training.micro_batch_size}",
-        f" > model parameters: {plan.total_params / 1e9:.3f} B",
+        f" > model parameters: {plan.total_params / 1e9:.3f} B{active}",
         "",
         f"{'pp rank':>7} | {'params (M)':>10} | {'weights':>8} | {'grads':>8} | {'optimizer':>9} | "
         f"{'act/layer':>9} | {'layers alive':>12} | {'activations':>11} | {'zero tmp':>8} | {'total GiB':>9}",
@@ -237,6 +316,10 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
         f"estimated iteration time: {plan.iteration_seconds:.2f} s | estimated throughput: "
         f"{plan.tokens_per_second:,.0f} tokens/s",
     ]
+    dispatcher = max(r.dispatcher_bytes for r in plan.ranks)
+    if dispatcher:
+        lines.append(f" > expert-parallel {c.model.moe_token_dispatcher_type} bytes sent per rank per iteration "
+                     f"(balanced routing): {dispatcher / GIB:.2f} GiB")
     if host:
         lines.append(f" > host memory for offloaded optimizer state per device: {host / GIB:.2f} GiB")
     lines.append(f"max memory per device: {plan.max_device_bytes / GIB:.2f} GiB (limit {device_memory_gib:g} GiB)")

@@ -17,10 +17,14 @@ from megatron_like.training.metrics import format_log_line
 from tests.e2e.cli import ROOT
 
 SCRIPTS = ["pretrain_gpt_345M.sh", "pretrain_gpt_1.3B.sh", "pretrain_gpt_6.7B.sh", "pretrain_gpt_175B.sh",
-           "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_70B.sh"]
+           "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_70B.sh",
+           "pretrain_mixtral_8x7B.sh"]
 LLAMA_PARAMETERS = {"pretrain_llama2_7B.sh": 6.74e9, "pretrain_llama3_8B.sh": 8.03e9, "pretrain_llama3_70B.sh": 70.6e9}
 """The published parameter counts of Llama 2 7B, Llama 3 8B and Llama 3 70B."""
+MIXTRAL_PARAMETERS = (46.7e9, 12.9e9)
+"""Mixtral 8x7B's published total and active parameters (Jiang et al. 2024)."""
 PARAMETERS = re.compile(r"^ > model parameters: ([0-9.]+) B", re.MULTILINE)
+ACTIVE = re.compile(r"^ > model parameters: ([0-9.]+) B \(active per token: ([0-9.]+) B\)", re.MULTILINE)
 MAX_MEMORY = re.compile(r"^max memory per device: ([0-9.]+) GiB", re.MULTILINE)
 ROW = re.compile(r"^\s+(\d+) \|", re.MULTILINE)
 
@@ -58,6 +62,11 @@ def test_every_launch_script_plans_within_80_gib(capsys):
         if name in LLAMA_PARAMETERS:  # the planner counts the model the flags build (meta tensors)
             count = float(PARAMETERS.search(out).group(1)) * 1e9
             assert abs(count - LLAMA_PARAMETERS[name]) / LLAMA_PARAMETERS[name] < 0.005, (name, count)
+        if name == "pretrain_mixtral_8x7B.sh":
+            counts = ACTIVE.search(out)
+            assert counts, out
+            for counted, published in zip((float(c) * 1e9 for c in counts.groups()), MIXTRAL_PARAMETERS):
+                assert abs(counted - published) / published < 0.01, (counted, published)
 
 
 def _write_log(path: str) -> None:

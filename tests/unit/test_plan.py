@@ -55,6 +55,8 @@ RECOMPUTE = {
     # full recompute of a 4-layer model: only each layer's input kept / the first 2 layers' inputs kept
     "full-uniform": FOUR_LAYERS + FULL + ["uniform", "--recompute-num-layers", "1"],
     "full-block": FOUR_LAYERS + FULL + ["block", "--recompute-num-layers", "2"],
+    # every layer MoE (GELU experts), top-2 of 4: the experts' terms, router and fp32 un-permutation copies
+    "moe": ["--disable-bias-linear", "--num-experts", "4", "--moe-router-topk", "2"],
 }
 
 
@@ -130,13 +132,17 @@ LAYER = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "
          "--micro-batch-size", "4", "--mock-data", "--vocab-size", "1024", "--hidden-dropout", "0",
          "--attention-dropout", "0"]
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"]
+MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert-capacity-factor", "0.5",
+                    "--moe-pad-expert-input-to-capacity", "--bf16"]
 
 
 @pytest.mark.parametrize("extra", [[], ["--bf16"], LLAMA, LLAMA + ["--bf16"], ["--swiglu"], GQA,
                                    ["--position-embedding-type", "rope"], ["--normalization", "RMSNorm"],
-                                   ["--normalization", "RMSNorm", "--bf16"]],
+                                   ["--normalization", "RMSNorm", "--bf16"], LLAMA + MOE, LLAMA + MOE + ["--bf16"],
+                                   LLAMA + MOE_PADDED, ["--disable-bias-linear"] + MOE],
                          ids=["gpt", "gpt-bf16", "llama", "llama-bf16", "swiglu", "gqa", "rope", "rmsnorm",
-                              "rmsnorm-bf16"])
+                              "rmsnorm-bf16", "mixtral", "mixtral-bf16", "mixtral-shared-padded", "gpt-moe"])
 def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
     planner's per-layer formula, for each architecture option alone and for Llama."""
@@ -183,3 +189,41 @@ def test_cpu_log_line_reports_the_peak_of_live_tensors(capsys):
     planned = plan_run(config, vocab, device="cpu").max_device_bytes
     assert abs(logged[-1] - planned) / planned < 0.10, f"logged {logged[-1] / 2**20:.1f} MiB, " \
                                                        f"planned {planned / 2**20:.1f} MiB"
+
+
+MIXTRAL_TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                "--micro-batch-size", "1", "--global-batch-size", "8", "--mock-data", "--vocab-size", "128"] + LLAMA + [
+                "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+                "--moe-layer-freq", "[1,0,1,1]", "--moe-shared-expert-intermediate-size", "16"]
+
+
+def test_moe_plan_counts_the_built_models_total_and_active_parameters():
+    """Total parameters against the single-process model built for real; active ones against the same model
+    less the (E - k) experts a token skips in each MoE layer, counted from its expert modules; at ep 2 each rank
+    holds half the experts, and their ZeRO shards are over the expert-data-parallel group (dp / ep ranks)."""
+    import torch
+
+    from megatron_like.model import GPTModel
+    from megatron_like.model.moe import MoELayer
+    from megatron_like.parallel_state import ParallelState
+
+    config = parse_config(MIXTRAL_TINY, world_size=1)
+    vocab = config.padded_vocab_size(128)
+    model = GPTModel(config.model, ParallelState.single_process(torch.device("cpu")), vocab_size=vocab, seed=1)
+    total = sum(p.numel() for p in model.parameters())
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert len(moe_layers) == 3
+    skipped = sum((4 - 2) * (layer.experts.weight1[0].numel() + layer.experts.weight2[0].numel())
+                  for layer in moe_layers)
+    plan = plan_run(config, vocab, device="cpu")
+    assert plan.total_params == total
+    assert plan.active_params == total - skipped
+
+    expert_params = sum(layer.experts.weight1.numel() + layer.experts.weight2.numel() for layer in moe_layers)
+    layout = ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+    ep2 = plan_run(parse_config(MIXTRAL_TINY + layout, world_size=4), vocab, device="cpu")  # dp 4, expert-dp 2
+    rank = ep2.ranks[0]
+    assert rank.expert_params == expert_params // 2
+    assert rank.params == total - expert_params // 2
+    dense = rank.params - rank.expert_params
+    assert rank.optimizer_bytes == pytest.approx(8 * (dense / 4 + rank.expert_params / 2), rel=1e-6)  # fp32 Adam
