@@ -1,4 +1,4 @@
-"""The pipeline issue's CLI check: torchrun with 4 processes and pipeline parallelism (1F1B with tp=2,
+"""The pipeline issue's CLI check: pretrain_gpt.py on 4 ranks and pipeline parallelism (1F1B with tp=2,
 pp=4, interleaved) logs the lm loss of one process at every iteration."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from tests.e2e.cli import in_process_losses, logged_losses, torchrun
+from tests.e2e.cli import in_process_losses, launch, logged_losses
 
 # The command of the issue's "Done when", without the launcher and the layout flags.
 PIPELINE_FLAGS = [
@@ -33,8 +33,8 @@ def single_process_losses() -> dict[int, float]:
     ],
     ids=["tp2-pp2", "pp4", "tp2-pp2-interleaved"],
 )
-def test_torchrun_pipeline_logs_same_losses(layout):
-    output = torchrun(4, PIPELINE_FLAGS + layout)
+def test_cli_pipeline_logs_same_losses(layout):
+    output = launch(4, PIPELINE_FLAGS + layout)
     expected = single_process_losses()
     assert sorted(expected) == list(range(1, 7))
     losses = logged_losses(output)
