@@ -18,7 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
-# The command of the foundation issue's "Done when", without the launcher and the layout flags.
+# The command of the foundation issue's "Done when", without the launcher and the layout flags, and with one
+# evaluation batch: the default --eval-iters 100 ran 100 global batches of test data after training (most of each
+# run's CPU); one still takes every layout through the forward-only evaluation and its log line.
 ISSUE_FLAGS = [
     "--num-layers",
     "2",
@@ -49,6 +51,8 @@ ISSUE_FLAGS = [
     "1",
     "--seed",
     "1234",
+    "--eval-iters",
+    "1",
 ]
 
 

@@ -9,12 +9,13 @@ import pytest
 
 from tests.e2e.cli import in_process_losses, launch, logged_losses
 
-# The command of the issue's "Done when", without the launcher and the layout flags.
+# The command of the issue's "Done when", without the launcher and the layout flags; one evaluation batch (not
+# the default 100) after training, as in cli.ISSUE_FLAGS.
 PIPELINE_FLAGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
     "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "6",
     "--lr", "1e-3", "--mock-data", "--vocab-size", "512", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--log-interval", "1", "--seed", "1234",
+    "--log-interval", "1", "--seed", "1234", "--eval-iters", "1",
 ]
 
 
@@ -43,3 +44,4 @@ def test_cli_pipeline_logs_same_losses(layout):
         assert losses[iteration] == pytest.approx(loss, rel=1e-4), f"iteration {iteration}"
     pp = int(layout[layout.index("--pipeline-model-parallel-size") + 1])
     assert f"model parallel rank (0, {pp - 1})" in output, "every stage reports its parameters"
+    assert "validation loss at the end of training for test data" in output

@@ -38,3 +38,4 @@ def test_cli_tensor_parallel_logs_same_losses(nproc, flags):
     for iteration, loss in expected.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-4), f"iteration {iteration}"
     assert f"number of parameters on (tensor, pipeline) model parallel rank ({nproc - 1}, 0)" in output
+    assert "validation loss at the end of training for test data" in output

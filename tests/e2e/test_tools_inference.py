@@ -42,7 +42,7 @@ def checkpoint(tmp_path_factory) -> str:
     train_flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                    "--mock-data", "--vocab-size", str(VOCAB), "--train-iters", "3", "--num-workers", "0",
                    "--micro-batch-size", "2", "--global-batch-size", "4", "--init-method-std", "0.2",
-                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--eval-iters", "1",
                    "--save", str(root / "ckpt")]
     torchrun(4, train_flags)
     return str(root / "ckpt")
