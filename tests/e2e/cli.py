@@ -130,6 +130,37 @@ def launch(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeou
     return "".join(out for _, out, _ in results)
 
 
+class Launched:
+    """The ranks of a long-running script (a server) started as ``launch`` starts them, not waited for."""
+
+    def __init__(self, nproc: int, flags: list[str], script: str) -> None:
+        from tests.distributed.harness import start_distributed
+
+        self.processes, self._results = start_distributed(_run_script_rank, nproc, script, list(flags), True, False)
+
+    def poll(self) -> int | None:
+        """None while every rank runs, else the exit code of the first that ended (as ``Popen.poll``)."""
+        for p in self.processes:
+            if p.exitcode is not None:
+                return p.exitcode
+        return None
+
+    def stop(self) -> str:
+        """SIGTERM every rank (what torchrun forwards), then return the output of ranks that had ended."""
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        outputs = []
+        while not self._results.empty():
+            rank, ok, value = self._results.get()
+            outputs.append(f"rank {rank}: {value[1]}{value[2]}" if ok else f"rank {rank}: {value}")
+        return "\n".join(outputs)
+
+
 def run_script(script: str, *args: object, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python script *args`` from the repository root (as from a shell, no launcher variables), in a process
     forked from the harness's server; raise with its output when ``check`` and it exits non-zero."""
