@@ -76,11 +76,9 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
-
-    Ranks see the environment of the first call (the fork server's): set variables before the suite starts.
-    """
+def start_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+    """Start ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes without waiting: return the
+    processes and the queue each puts ``(rank, ok, value)`` on (``run_distributed`` collects it)."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
@@ -90,6 +88,15 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ]
     for p in processes:
         p.start()
+    return processes, results
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
+
+    Ranks see the environment of the first call (the fork server's): set variables before the suite starts.
+    """
+    processes, results = start_distributed(fn, world_size, *args, **kwargs)
     collected: dict[int, Any] = {}
     try:
         while len(collected) < world_size:

@@ -1,4 +1,11 @@
-"""Run ``pretrain_gpt.py`` through torchrun and read the ``lm loss`` of every logged iteration."""
+"""Run ``pretrain_gpt.py`` (or a tool) on N ranks and read the ``lm loss`` of every logged iteration.
+
+``launch`` runs a script the way ``torchrun --nproc_per_node N script`` runs it (same argv, environment
+variables, working directory, stdout), in ranks forked from the test harness's server, which has torch and
+the trainer imported: a torchrun costs ~3 s of CPU per process started (launcher and each worker import
+torch) before any work, and the CLI tests need the script's code path, not the launcher's. ``torchrun``
+starts the real launcher, for the tests of the launcher itself (restarts, orphans) and one smoke run.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \|")
 
-# The command of the foundation issue's "Done when", without the launcher and the layout flags.
+# The command of the foundation issue's "Done when", without the launcher and the layout flags, and with one
+# evaluation batch: the default --eval-iters 100 ran 100 global batches of test data after training (most of each
+# run's CPU); one still takes every layout through the forward-only evaluation and its log line.
 ISSUE_FLAGS = [
     "--num-layers",
     "2",
@@ -42,6 +51,8 @@ ISSUE_FLAGS = [
     "1",
     "--seed",
     "1234",
+    "--eval-iters",
+    "1",
 ]
 
 
@@ -63,6 +74,111 @@ def logged_values(stdout: str, name: str) -> dict[int, float]:
     """``{iteration: value}`` of the statistic ``name`` (e.g. ``load_balancing_loss``) on each training log line."""
     pattern = re.compile(rf"iteration\s+(\d+)/\s*\d+ \|.*\| {re.escape(name)}: ([0-9.E+-]+) \|")
     return {int(it): float(value) for it, value in pattern.findall(stdout)}
+
+
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def _run_script_rank(rank: int, world_size: int, script: str, argv: list[str], launched: bool,
+                     check: bool) -> tuple[int, str, str]:
+    """In a harness rank: ``python script *argv``, as a torchrun worker when ``launched`` (else without the
+    launcher's variables, as from a shell); return (exit code, stdout, stderr), captured at the file
+    descriptors (C++ and child-process output included)."""
+    import multiprocessing
+    import runpy
+    import tempfile
+    import traceback
+
+    # A worker may start DataLoader workers, forked as under torchrun (the platform's default start method):
+    # a harness rank is a daemon and inherits the fork-server method, which would start each loader worker
+    # from a fresh interpreter (~10 s of CPU importing torch).
+    multiprocessing.current_process().daemon = False
+    multiprocessing.set_start_method(None, force=True)
+    if not launched:
+        for name in LAUNCHER_ENV:
+            os.environ.pop(name, None)
+    os.chdir(ROOT)
+    path = str(ROOT / script)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(path))  # what `python script` puts first on the path
+    code = 0
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported as the worker's traceback and exit status 1
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+        out.seek(0)
+        err.seek(0)
+        result = code, out.read(), err.read()
+    if check and code != 0:  # raise at once: the harness stops the other ranks (as torchrun would)
+        raise AssertionError(f"{script} exited {code} on rank {rank}:\n{result[1]}\n{result[2]}")
+    return result
+
+
+def launch(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:
+    """What ``torchrun --standalone --nproc_per_node nproc script *flags`` prints on stdout (rank 0's output
+    first), run in ranks forked from the harness's server; raise with the output when a rank exits non-zero.
+
+    Each rank gets torchrun's rank variables, working directory, argv and ``sys.path``, not torchrun's
+    elastic agent: the launcher's own behaviour (restarts, orphans) is tested with ``torchrun``."""
+    from tests.distributed.harness import run_distributed
+
+    results = run_distributed(_run_script_rank, nproc, script, list(flags), True, True, timeout=timeout)
+    return "".join(out for _, out, _ in results)
+
+
+class Launched:
+    """The ranks of a long-running script (a server) started as ``launch`` starts them, not waited for."""
+
+    def __init__(self, nproc: int, flags: list[str], script: str) -> None:
+        from tests.distributed.harness import start_distributed
+
+        self.processes, self._results = start_distributed(_run_script_rank, nproc, script, list(flags), True, False)
+
+    def poll(self) -> int | None:
+        """None while every rank runs, else the exit code of the first that ended (as ``Popen.poll``)."""
+        for p in self.processes:
+            if p.exitcode is not None:
+                return p.exitcode
+        return None
+
+    def stop(self) -> str:
+        """SIGTERM every rank (what torchrun forwards), then return the output of ranks that had ended."""
+        for p in self.processes:
+            p.terminate()
+        for p in self.processes:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        outputs = []
+        while not self._results.empty():
+            rank, ok, value = self._results.get()
+            outputs.append(f"rank {rank}: {value[1]}{value[2]}" if ok else f"rank {rank}: {value}")
+        return "\n".join(outputs)
+
+
+def run_script(script: str, *args: object, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python script *args`` from the repository root (as from a shell, no launcher variables), in a process
+    forked from the harness's server; raise with its output when ``check`` and it exits non-zero."""
+    from tests.distributed.harness import run_distributed
+
+    argv = [str(a) for a in args]
+    [(code, out, err)] = run_distributed(_run_script_rank, 1, script, argv, False, check, timeout=timeout)
+    return subprocess.CompletedProcess([sys.executable, script, *argv], code, out, err)
 
 
 def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:

@@ -1,29 +1,24 @@
-"""Real data end to end: corpus -> preprocess (GPT-2 BPE) -> torchrun pretrain_gpt.py with validation."""
+"""Real data end to end: corpus -> preprocess (GPT-2 BPE) -> pretrain_gpt.py on 2 ranks (as torchrun starts them)
+with validation."""
 
 from __future__ import annotations
 
 import math
 import re
-import subprocess
-import sys
 
-from tests.e2e.cli import ROOT, logged_losses, torchrun
+from tests.e2e.cli import launch, logged_losses, run_script
 
 VALIDATION = re.compile(
     r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+) \| lm loss PPL: ([0-9.E+-]+)"
 )
 
 
-def run_tool(*args: str) -> None:
-    subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, timeout=300)
-
-
 def test_preprocessed_corpus_trains_with_tensor_parallel_and_validates(tmp_path):
     corpus, prefix = tmp_path / "corpus.jsonl", tmp_path / "data" / "docs"
-    run_tool("data_tools/make_demo_corpus.py", "--output", str(corpus), "--max-mb", "0.3")
-    run_tool("data_tools/preprocess.py", "--input", str(corpus), "--output-prefix", str(prefix),
+    run_script("data_tools/make_demo_corpus.py", "--output", corpus, "--max-mb", "0.3")
+    run_script("data_tools/preprocess.py", "--input", corpus, "--output-prefix", prefix,
              "--tokenizer-type", "GPT2BPETokenizer", "--append-eod", "--workers", "1")
-    output = torchrun(2, [
+    output = launch(2, [
         "--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", "4", "--lr", "1e-3", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",

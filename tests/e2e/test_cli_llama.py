@@ -1,7 +1,7 @@
 """The Llama issue's "Done when" through the command line: a Llama-style tiny model (Megatron-LM's flags)
-trained by torchrun at tp2 x pp2 with sequence parallelism logs the losses of one process; its checkpoint
-resharded to tp1 x pp1 with tools/checkpoint_reshard.py resumes on one process with the losses of the
-uninterrupted run (the QKV groups and the SwiGLU (gate, up) pairs survive the tp merge); and
+trained on 4 ranks (as torchrun starts them) at tp2 x pp2 with sequence parallelism logs the losses of one
+process; its checkpoint resharded to tp1 x pp1 with tools/checkpoint_reshard.py resumes on one process with the
+losses of the uninterrupted run (the QKV groups and the SwiGLU (gate, up) pairs survive the tp merge); and
 ``pretrain_gpt.py --help`` lists the architecture flags; a tokenizer.json trained here serves preprocessing,
 training and generation of such a model.
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from megatron_like.config import build_parser
 from megatron_like.data.tokenizer import build_tokenizer
 from megatron_like.inference import GenerationParams, generate, load_inference_model
 from megatron_like.parallel_state import ParallelState
-from tests.e2e.cli import ISSUE_FLAGS, ROOT, in_process_losses, logged_losses, run_data_tool, torchrun
+from tests.e2e.cli import ISSUE_FLAGS, in_process_losses, launch, logged_losses, run_data_tool, run_script
 
 LLAMA_FLAGS = ISSUE_FLAGS + [
     "--position-embedding-type", "rope", "--rotary-base", "500000", "--normalization", "RMSNorm",
@@ -44,13 +42,12 @@ def assert_same_losses(losses: dict[int, float], iterations: range) -> None:
 
 def test_llama_tp2_pp2_sp_logs_single_process_losses_and_reshards_to_one_process(tmp_path):
     source, target = tmp_path / "tp2pp2", tmp_path / "tp1pp1"
-    output = torchrun(4, LLAMA_FLAGS + TP2_PP2_SP + ["--train-iters", "3", "--save", str(source)])
+    output = launch(4, LLAMA_FLAGS + TP2_PP2_SP + ["--train-iters", "3", "--save", str(source)])
     assert_same_losses(logged_losses(output), range(1, 4))
 
-    subprocess.run([sys.executable, "tools/checkpoint_reshard.py", "--load", str(source), "--save", str(target),
-                    "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"],
-                   cwd=ROOT, check=True, capture_output=True)
-    resumed = torchrun(1, LLAMA_FLAGS + ["--load", str(target)])
+    run_script("tools/checkpoint_reshard.py", "--load", source, "--save", target,
+               "--target-tensor-model-parallel-size", "1", "--target-pipeline-model-parallel-size", "1")
+    resumed = launch(1, LLAMA_FLAGS + ["--load", str(target)])
     assert_same_losses(logged_losses(resumed), range(4, 7))
     losses = single_process_losses()
     assert losses[6] < losses[1] - 0.05
@@ -76,13 +73,12 @@ def test_llama_with_a_trained_huggingface_tokenizer_preprocesses_trains_and_gene
     flags = [flag for flag in LLAMA_FLAGS if flag != "--mock-data"]
     at = flags.index("--vocab-size")
     del flags[at:at + 2]
-    output = torchrun(1, flags + ["--data-path", f"{data}_text_document", "--split", "98,2,0", "--eval-iters", "0",
+    output = launch(1, flags + ["--data-path", f"{data}_text_document", "--split", "98,2,0", "--eval-iters", "0",
                                   "--num-workers", "0", "--save", str(tmp_path / "ckpt")] + hf_tokenizer)
     losses = logged_losses(output)
     assert losses[6] < losses[1]
-    generated = subprocess.run(
-        [sys.executable, "tools/generate.py", "--load", str(tmp_path / "ckpt"), "--prompt", "def ", "--greedy",
-         "--max-new-tokens", "8", "--json"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    generated = run_script("tools/generate.py", "--load", tmp_path / "ckpt", "--prompt", "def ", "--greedy",
+                           "--max-new-tokens", "8", "--json").stdout
     record = json.loads(generated.splitlines()[-1])
     tok = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tokenizer))
     loaded = load_inference_model(str(tmp_path / "ckpt"), ParallelState.single_process(torch.device("cpu")))

@@ -1,4 +1,5 @@
-"""The foundation issue's CLI check: torchrun with tp (and sequence parallel) logs the 1-process losses."""
+"""The foundation issue's CLI check: pretrain_gpt.py on 2 and 4 ranks with tp (and sequence parallel) logs the
+1-process losses (ranks as torchrun starts them: tests/e2e/cli.py's launch)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import functools
 
 import pytest
 
-from tests.e2e.cli import ISSUE_FLAGS, in_process_losses, logged_losses, torchrun
+from tests.e2e.cli import ISSUE_FLAGS, in_process_losses, launch, logged_losses
 
 
 @functools.cache
@@ -29,11 +30,12 @@ def test_single_process_loss_falls():
     ],
     ids=["tp2", "tp2-sp", "tp4"],
 )
-def test_torchrun_tensor_parallel_logs_same_losses(nproc, flags):
-    output = torchrun(nproc, ISSUE_FLAGS + flags)
+def test_cli_tensor_parallel_logs_same_losses(nproc, flags):
+    output = launch(nproc, ISSUE_FLAGS + flags)
     expected = single_process_losses()
     losses = logged_losses(output)
     assert sorted(losses) == sorted(expected)
     for iteration, loss in expected.items():
         assert losses[iteration] == pytest.approx(loss, rel=1e-4), f"iteration {iteration}"
     assert f"number of parameters on (tensor, pipeline) model parallel rank ({nproc - 1}, 0)" in output
+    assert "validation loss at the end of training for test data" in output

@@ -1,6 +1,9 @@
 """CLI runs of the inference tools on a checkpoint trained at tp=2 x pp=2 (mock data, vocabulary 500):
 Hugging Face conversion both ways, generate.py (one process and torchrun tp=2) against HF greedy, the
-HTTP server with valid and invalid requests, evaluate.py against HF's loss, export.py's program."""
+HTTP server with valid and invalid requests, evaluate.py against HF's loss, export.py's program.
+
+The checkpoint's training and the tp=2 generation go through a real torchrun (the README's demo commands);
+the other tools run in processes forked from the test harness's server (tests/e2e/cli.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 from megatron_like.inference import load_inference_model
 from megatron_like.model.state import load_full_state
 from megatron_like.parallel_state import ParallelState
-from tests.e2e.cli import ROOT, torchrun
+from tests.e2e.cli import ROOT, launch, run_script, torchrun
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 500
@@ -29,12 +32,7 @@ PROMPT_IDS = ["3 14 15 92 65", "35 89"]
 
 
 def run_tool(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / script), *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
-    return proc
+    return run_script(f"tools/{script}", *args, check=check, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +42,7 @@ def checkpoint(tmp_path_factory) -> str:
     train_flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                    "--mock-data", "--vocab-size", str(VOCAB), "--train-iters", "3", "--num-workers", "0",
                    "--micro-batch-size", "2", "--global-batch-size", "4", "--init-method-std", "0.2",
-                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--eval-iters", "1",
                    "--save", str(root / "ckpt")]
     torchrun(4, train_flags)
     return str(root / "ckpt")
@@ -211,10 +209,10 @@ def test_evaluate_perplexity_and_lambada_match_hf(checkpoint, hf_dir, tmp_path):
     small = ["--micro-batch-size", "1", "--load", checkpoint, "--task"]
     windows = [*small, "WIKITEXT103", "--valid-data", str(text), "--eval-seq-length", "12", "--overlapping-eval", "5"]
     one = run_tool("evaluate.py", *windows).stdout
-    two = torchrun(2, windows, script="tools/evaluate.py")
+    two = launch(2, windows, script="tools/evaluate.py")
     assert float(two.split("| avg loss: ")[1].split(" ")[0]) == pytest.approx(
         float(one.split("| avg loss: ")[1].split(" ")[0]), rel=1e-6)
-    two = torchrun(2, [*small, "LAMBADA", "--valid-data", str(lambada)], script="tools/evaluate.py")
+    two = launch(2, [*small, "LAMBADA", "--valid-data", str(lambada)], script="tools/evaluate.py")
     assert f"number correct: {expected} | total: 5" in two
 
 
