@@ -9,13 +9,14 @@ The family follows the model: a GPT-2-style checkpoint (learned positions, Layer
 ``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
 ``Qwen2ForCausalLM`` with ``--add-qkv-bias``. ``from-hf`` reads ``model_type`` (gpt2, llama, mistral, qwen2).
 
-``to-hf`` merges every ``mp_rank_TT_PPP`` shard, trims the padded vocabulary to the real one (the
+``to-hf`` reads a checkpoint of either format and any layout as full weights, trims the padded vocabulary to the real one (the
 tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``, ``model.safetensors``
 and the tokenizer files when known (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; HF: ``tokenizer.json``);
-``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it. ``from-hf`` writes
-``<save>/iter_0000000/mp_rank_TT_PPP/model_optim_rng.pt`` for the requested layout (weights and config;
-no optimizer state: continue training from it with ``--finetune``), copying the tokenizer files into
-``<save>/tokenizer/`` and recording them in the checkpoint's config.
+``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it. ``from-hf`` writes a checkpoint at
+iteration 0 (weights and config; no optimizer state: continue training from it with ``--finetune``):
+``--ckpt-format torch_dist`` (default) global tensors that load at any layout, or ``torch``
+``<save>/iter_0000000/mp_rank_TT_PPP/model_optim_rng.pt`` for the requested layout; it copies the
+tokenizer files into ``<save>/tokenizer/`` and records them in the checkpoint's config.
 """
 
 from __future__ import annotations
@@ -118,6 +119,15 @@ def from_hf(args: argparse.Namespace) -> None:
     config.validate()
     padded = config.padded_vocab_size(config.model.vocab_size)
     full = family.from_hf_state(hf_state, config.model, padded)
+    if args.ckpt_format == "torch_dist":
+        from megatron_like.training.dist_checkpointing import save_full_state
+
+        if not config.model.untie_embeddings_and_output_weights:
+            full.pop("output_layer.weight", None)  # the tied output layer reads the word embedding
+        save_full_state(args.save, 0, config, {"model." + k: v for k, v in full.items()})
+        print(f"wrote a torch_dist checkpoint (loads at any layout; vocabulary {config.model.vocab_size} padded to "
+              f"{padded} for tp={p.tensor_model_parallel_size}) to {args.save}")
+        return
     it_dir = os.path.join(args.save, "iter_0000000")
     for pp_rank in range(p.pipeline_model_parallel_size):
         for tp_rank in range(p.tensor_model_parallel_size):
@@ -148,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     b.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    b.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
+                   help="torch_dist (default): global tensors that load at any layout (the layout flags only "
+                        "set the vocabulary padding); torch: one file per tp x pp rank of that layout.")
     return parser
 
 
