@@ -1,8 +1,8 @@
 """CLI runs of the inference tools on a torch_dist checkpoint (the default format) trained at tp=2 x pp=2
-(mock data, vocabulary 500), read at other layouts: Hugging Face conversion both ways (from-hf in both
-formats), generate.py (one process and torchrun tp=2) against HF greedy, the HTTP server at tp=2 with valid
-and invalid requests, evaluate.py (one process and dp=2) against HF's loss, export.py's program. The torch
-format's readers share ``load_full_state`` with these (tests/unit/test_generation_state.py)."""
+(mock data, vocabulary 500), read at other layouts: Hugging Face conversion both ways, generate.py (one
+process and torchrun tp=2) against HF greedy, the HTTP server at tp=2 with valid and invalid requests,
+evaluate.py (one process and dp=2) against HF's loss, export.py's program. The torch format's readers
+share ``load_full_state`` with these (tests/unit/test_generation_state.py)."""
 
 from __future__ import annotations
 
@@ -82,20 +82,17 @@ def test_hf_conversion_both_ways_keeps_the_logits(checkpoint, hf_dir, tmp_path):
         theirs = hf(ids).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
+    back = str(tmp_path / "back")
+    run_tool("convert_hf.py", "from-hf", "--load", hf_dir, "--save", back, "--tensor-model-parallel-size", "2",
+             "--pipeline-model-parallel-size", "2")
+    assert sorted(os.listdir(os.path.join(back, "iter_0000000"))) == [".metadata", "__0_0.distcp", "common.pt"]
     _, original = load_full_state(checkpoint)
-    for ckpt_format in ("torch_dist", "torch"):
-        back = str(tmp_path / ckpt_format)
-        run_tool("convert_hf.py", "from-hf", "--load", hf_dir, "--save", back, "--tensor-model-parallel-size", "2",
-                 "--pipeline-model-parallel-size", "2", "--ckpt-format", ckpt_format)
-        assert sorted(os.listdir(os.path.join(back, "iter_0000000"))) == (
-            [".metadata", "__0_0.distcp", "common.pt"] if ckpt_format == "torch_dist" else
-            ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"])
-        _, converted = load_full_state(back)
-        assert set(converted) == set(original)
-        for name, tensor in original.items():
-            rows = min(VOCAB, tensor.shape[0]) if "word_embeddings" in name else tensor.shape[0]
-            assert torch.equal(converted[name][:rows], tensor[:rows]), name
-        torch.testing.assert_close(our_logits(back, ids), theirs, rtol=1e-5, atol=1e-5)
+    _, converted = load_full_state(back)
+    assert set(converted) == set(original)
+    for name, tensor in original.items():
+        rows = min(VOCAB, tensor.shape[0]) if "word_embeddings" in name else tensor.shape[0]
+        assert torch.equal(converted[name][:rows], tensor[:rows]), name
+    torch.testing.assert_close(our_logits(back, ids), theirs, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_cli_equals_hf_greedy_in_one_process_and_under_torchrun_tp2(checkpoint, hf_dir):

@@ -17,7 +17,7 @@ from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import CheckpointError, save_checkpoint
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "8"]
+         "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--ckpt-format", "torch"]
 
 
 class Payload:

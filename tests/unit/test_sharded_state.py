@@ -4,6 +4,7 @@ single-process save and resume (DCP without a process group; --load detects the 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -106,16 +107,31 @@ def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
     assert torch.equal(logits[0], logits[1])
 
 
-def test_reshard_tool_sends_torch_dist_checkpoints_back_to_the_trainer(tmp_path, capsys):
+def test_reshard_tool_writes_torch_dist_as_the_torch_format_of_another_layout(tmp_path, capsys):
+    """tools/checkpoint_reshard.py on the command line (its passes under torchrun): a one-process torch_dist
+    checkpoint becomes a torch one of tp 2 that the trainer resumes; torch_dist to torch_dist is refused."""
     import sys
 
     from tests.e2e.cli import ROOT
 
-    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    flags = ["--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
+    straight = train_gpt(0, 1, flags + ["--train-iters", "4", "--save", str(tmp_path / "dist"), "--save-interval", "2"])
+    write_tracker(str(tmp_path / "dist"), 2)
     sys.path.insert(0, str(ROOT / "tools"))
     import checkpoint_reshard
 
-    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "out"),
-                                    "--target-tensor-model-parallel-size", "2",
-                                    "--target-pipeline-model-parallel-size", "1"]) == 2
+    out = tmp_path / "tp2"
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(out), "--ckpt-format", "torch",
+                                    "--target-tensor-model-parallel-size", "2"]) == 0
+    assert sorted(os.listdir(out / "iter_0000002")) == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "again"),
+                                    "--ckpt-format", "torch_dist"]) == 2
     assert "torch_dist checkpoint, which loads at any layout" in capsys.readouterr().err
+    # Back in one process: the tp 2 torch checkpoint goes through torch_dist again (two passes).
+    single = tmp_path / "single"
+    assert checkpoint_reshard.main(["--load", str(out), "--save", str(single), "--ckpt-format", "torch",
+                                    "--target-tensor-model-parallel-size", "1"]) == 0
+    assert not (single / "torch_dist_tmp").exists()
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(single), "--ckpt-format", "torch"])
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(straight["losses"][2:]),
+                               rtol=1e-5, atol=1e-5)
