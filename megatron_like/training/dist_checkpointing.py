@@ -76,6 +76,7 @@ from megatron_like.optimizer.sharded_state import (
 )
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import checkpointing as ckpt
+from megatron_like.training.resume import resume_notice
 
 # Format detection lives in checkpointing.py, which every run imports: this module pulls in DCP (and
 # DTensor, sympy: ~0.8 s per process) and is imported only by runs that read or write torch_dist.
@@ -356,6 +357,9 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         buffer.copy_(state[key])
     if weights_only:
         return 0, 0
+    notice = resume_notice(common["config"], common.get("scheduler"), config)
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     if install is not None:
         install(saved_optim["step"] if saved_optim else None)
         if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:
