@@ -133,10 +133,11 @@ DIST_FLAGS = ["--num-layers", "2", "--global-batch-size", "2", "--log-interval",
               "--lr-decay-style", "constant"]
 
 
-def _train_and_save_every_step(root: str, async_save: bool) -> None:
+def _train_and_save_every_step(root: str, async_save: bool, saving) -> None:
     from tests.distributed.gpt_runs import train_gpt
 
     torch.set_num_threads(1)
+    checkpointing.fault_hook = lambda point: saving.set()  # common.pt and the tracker are written atomically
     train_gpt(0, 1, DIST_FLAGS + ["--save", root, "--load", root, "--save-interval", "1", "--train-iters", "100000"]
               + (["--async-save"] if async_save else []))
 
@@ -153,23 +154,26 @@ def _written_since(root: str, after_iteration: int, since: float) -> bool:
 
 def test_sigkill_during_sync_and_async_torch_dist_saves_keeps_latest_loadable(tmp_path):
     """20 trials, alternately synchronous and --async-save: a forked trainer resumes from the latest checkpoint
-    and saves every step until SIGKILLed at a random moment. Then the checkpoint the tracker names must load
-    and training continue from it with the loss of the uninterrupted run at the next iteration (bitwise)."""
+    and saves every step until SIGKILLed at a random moment after its first save began writing its plain files
+    (so no kill is spent on start-up). Then the checkpoint the tracker names must load and training continue
+    from it with the loss of the uninterrupted run at the next iteration (bitwise)."""
     from tests.distributed.gpt_runs import train_gpt
 
     root = str(tmp_path)
     start = time.perf_counter()
     train_gpt(0, 1, DIST_FLAGS + ["--save", root, "--save-interval", "1", "--train-iters", "2"])
-    # A child's start-up plus two steps and two saves, measured now: kills land in start-up, loading, steps
-    # and saves (writes of the pieces, the index, common.pt, the tracker; the background writer).
-    window = 2 * (time.perf_counter() - start)
+    # Start-up plus two steps and two saves, measured now: kills land in steps and saves (writes of the
+    # pieces, the index, common.pt, the tracker; the background writer) of the next few iterations.
+    window = time.perf_counter() - start
     context = multiprocessing.get_context("fork")
     rng = random.Random(0)
     last, advanced, mid_save, continued = 2, 0, 0, {}
     for trial in range(20):
-        child = context.Process(target=_train_and_save_every_step, args=(root, trial % 2 == 1), daemon=True)
+        saving = context.Event()
+        child = context.Process(target=_train_and_save_every_step, args=(root, trial % 2 == 1, saving), daemon=True)
         started = time.time()
         child.start()
+        assert saving.wait(timeout=600), "the trainer never reached a save"
         time.sleep(rng.uniform(0.0, window))
         os.kill(child.pid, signal.SIGKILL)
         child.join()
