@@ -514,9 +514,10 @@ class CheckpointConfig:
     """Load the RNG states (--no-load-rng reseeds)."""
     finetune: bool = False
     """Load weights only and start at iteration 0."""
-    ckpt_format: Literal["torch", "torch_dist"] = "torch"
-    """Format of new saves: torch (one file per tp x pp rank, loads only at the same layout) or torch_dist
-    (torch.distributed.checkpoint global tensors, loads at any layout); --load detects the format."""
+    ckpt_format: Literal["torch", "torch_dist"] = "torch_dist"
+    """Format of new saves: torch_dist (torch.distributed.checkpoint global tensors, loads at any layout;
+    Megatron's default) or torch (one file per tp x pp rank, loads only at the same layout); --load
+    detects the format (docs/checkpoints.md)."""
     async_save: bool = False
     """torch_dist only: copy the state to host memory, then write it in a background thread while training
     goes on; the next save and the end of training wait for it."""
@@ -540,7 +541,7 @@ class CheckpointConfig:
                  "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: "
                  "pass one (this run's lr flags, or the checkpoint's schedule)")
         _require(not self.async_save or self.ckpt_format == "torch_dist",
-                 "--async-save writes torch_dist checkpoints only; add --ckpt-format torch_dist")
+                 "--async-save writes torch_dist checkpoints only; drop --ckpt-format torch")
 
 
 @dataclass
@@ -649,9 +650,6 @@ class Config:
             f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
         )
-        _require(not (m.qat and self.checkpoint.ckpt_format == "torch_dist"),
-                 "--qat keeps quantizer statistics that --ckpt-format torch_dist does not save yet; "
-                 "use --ckpt-format torch")
         if p.sequence_parallel:
             _require(
                 m.seq_length % tp == 0,

@@ -1,183 +1,266 @@
-"""Convert a checkpoint to another tensor / pipeline (/ virtual pipeline) parallel layout.
+"""Convert a checkpoint between the torch and torch_dist formats and between parallel layouts.
 
-    python tools/checkpoint_reshard.py --load ckpt/tp2pp2 --save ckpt/tp1pp1 \
+    python tools/checkpoint_reshard.py --load ckpt/tp2pp2 --save ckpt/tp1 --ckpt-format torch \\
         --target-tensor-model-parallel-size 1 --target-pipeline-model-parallel-size 1
 
-Every ``mp_rank_TT_PPP`` shard of the source is merged into full weights and cut into the target's
-shards with ``megatron_like.model.state`` (the same code the inference loader uses), so a forked model
-with new parameters reshards without edits here. The vocabulary rows are re-padded to the target's
-``--make-vocab-size-divisible-by * tp``. The result is a normal checkpoint (docs/design.md §5) that
-``pretrain_gpt.py --load`` resumes with the target layout flags at the same iteration, consumed samples
-and learning-rate schedule.
+A torch_dist checkpoint needs no conversion to change layout: ``--load`` it with the new layout's flags.
+This tool is for the torch format (one file per rank, readable at its own layout only) and for moving
+between the formats. It converts with the trainer's own code: the processes of one layout build the model,
+optimizer and lr schedule from the saved arguments as ``pretrain()`` does, ``load_checkpoint`` the source
+and ``save_checkpoint`` it in the other format. torch_dist is the go-between, since DCP reads it at any
+layout (docs/checkpoints.md):
 
-The optimizer state (AdamW moments, fp32 masters, loss scaler) of every ZeRO shard is merged per
-parameter and re-cut for ``--target-data-parallel-size`` and ``--target-zero-stage`` (default: the
-source's) by ``megatron_like.training.optimizer_reshard``; ``--no-optimizer`` drops it (Adam restarts,
-as with ``--no-load-optim``). Not carried over: the RNG states (per rank: the resumed run keeps its
-freshly seeded generators).
+* torch -> torch_dist: one pass at the source's layout (``--target-*`` flags are not needed);
+* torch_dist -> torch: one pass at the target layout;
+* torch -> torch at another layout: both passes, through a torch_dist copy in ``<save>/torch_dist_tmp``
+  (removed at the end).
+
+Each pass runs its tp x pp x dp processes under torchrun on this machine (CPU, gloo). Carried over:
+weights, QAT ranges, fp32 masters, Adam moments and step (also of a CPU-offload optimizer), the loss
+scaler, the lr schedule, iteration and consumed samples. RNG states only when the layout stays (DCP
+restores them at the saved tp, pp and dp); otherwise the resumed run keeps generators seeded from --seed.
+``--no-optimizer`` drops the optimizer state (Adam restarts, as with ``--no-load-optim``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
+import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
 from megatron_like.config import Config, ConfigError  # noqa: E402
-from megatron_like.model.state import (  # noqa: E402
-    CHECKPOINT_FILE,
-    VOCAB_PARAMS,
-    checkpoint_iteration_dir,
-    is_torch_dist,
-    load_full_state,
-    resize_vocab,
-    shard_full_state,
+from megatron_like.model.state import read_saved_config  # noqa: E402
+from megatron_like.training.checkpointing import (  # noqa: E402
+    CheckpointError,
+    is_dist_checkpoint,
+    iteration_dir,
+    latest_iteration,
+    rank_file,
 )
-from megatron_like.training.checkpointing import TRACKER_FILE, write_atomically  # noqa: E402
-from megatron_like.training.optimizer_reshard import gather_full_optimizer, shard_full_optimizer  # noqa: E402
+
+TMP_DIR = "torch_dist_tmp"
 
 
-def target_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: int, zero_stage: int) -> Config:
-    """The saved config with the target layout (validated: heads, layers and sizes must split)."""
+def layout_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: int, zero_stage: int,
+                  offload: bool) -> Config:
+    """The saved config at another layout (validated: heads, layers and sizes must split)."""
     config = copy.deepcopy(saved)
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.num_layers_per_virtual_pipeline_stage = vp_layers
     if tp == 1:
         p.sequence_parallel = False
-    p.zero_stage, p.use_distributed_optimizer = zero_stage, False
+    p.zero_stage, p.use_distributed_optimizer, p.optimizer_cpu_offload = zero_stage, False, offload
     config.world_size = tp * pp * dp
-    # Only the model split is checked here; batch sizes are checked against dp when the run resumes.
+    # Only the model split matters here; batch sizes are checked against dp when the run resumes.
     config.training.global_batch_size = config.training.micro_batch_size * dp * pp
+    config.checkpoint.async_save, config.checkpoint.finetune = False, False
+    config.checkpoint.load_rng = True
     config.validate()
     config.training.global_batch_size = saved.training.global_batch_size
     return config
 
 
-def read_optimizer_shards(load_dir: str, saved: Config, saved_dp: int) -> dict[tuple[int, int, int], dict] | None:
-    """Every rank's optimizer state dict of the source, keyed by (tp, pp, dp); None if it holds none."""
-    p = saved.parallel
-    shards = {}
-    for tp_rank in range(p.tensor_model_parallel_size):
-        for pp_rank in range(p.pipeline_model_parallel_size):
-            directory = os.path.join(load_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
-            for dp_rank in range(saved_dp if p.zero_stage >= 1 else 1):
-                name = CHECKPOINT_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt"
-                state = torch.load(os.path.join(directory, name), map_location="cpu", weights_only=True)
-                if state.get("optimizer") is None:
-                    return None
-                shards[(tp_rank, pp_rank, dp_rank)] = state["optimizer"]
-    return shards
+def saved_layout(load: str, iteration: int) -> tuple[Config, int]:
+    """(saved config, data-parallel size it was saved at)."""
+    saved = read_saved_config(load, iteration)
+    if is_dist_checkpoint(load, iteration):
+        import torch
+
+        common = torch.load(os.path.join(iteration_dir(load, iteration), "common.pt"), weights_only=True)
+        return saved, common.get("layout", {}).get("dp", 1)
+    import torch
+
+    first = torch.load(rank_file(os.path.join(iteration_dir(load, iteration), "mp_rank_00_000"), 0),
+                       weights_only=True, map_location="cpu", mmap=True)
+    return saved, first.get("dp_size", 1)
 
 
-def real_vocab_size(saved: Config, saved_rows: int, override: int | None) -> int:
-    """The unpadded vocabulary: --vocab-size here, the saved --vocab-size, else the saved padded rows."""
-    if override is not None:
-        return override
-    if saved.model.vocab_size is not None:
-        return saved.model.vocab_size
+def padded_vocab(config: Config, load: str, iteration: int, override: int | None) -> int:
+    """The target's padded vocabulary: the real one (--vocab-size, the saved args' or the tokenizer's) padded
+    for the target tp; without any, the saved rows (padding included)."""
+    vocab = override if override is not None else config.model.vocab_size
+    if vocab is None:
+        try:
+            from megatron_like.inference.loading import build_tokenizer_for
+
+            tokenizer = build_tokenizer_for(config.data, None)
+            vocab = tokenizer.vocab_size if tokenizer is not None else None
+        except (OSError, ValueError, KeyError, ImportError) as error:
+            print(f" > cannot build the saved tokenizer ({error}); keeping the saved vocabulary rows")
+    if vocab is None:
+        return saved_rows(load, iteration)
+    return config.padded_vocab_size(vocab)
+
+
+def saved_rows(load: str, iteration: int) -> int:
+    """Rows of the saved word embedding (the saving layout's padded vocabulary)."""
+    path = iteration_dir(load, iteration)
+    if is_dist_checkpoint(load, iteration):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(path).read_metadata().state_dict_metadata["model.embedding.word_embeddings.weight"] \
+            .size[0]
+    import torch
+
+    saved = read_saved_config(load, iteration)
+    first = torch.load(os.path.join(path, "mp_rank_00_000", "model_optim_rng.pt"), weights_only=True,
+                       map_location="cpu", mmap=True)
+    return first["model"][0]["embedding.word_embeddings.weight"].shape[0] * saved.parallel.tensor_model_parallel_size
+
+
+def convert(config: Config, load: str, save: str, ckpt_format: str, padded_vocab_size: int,
+            with_optimizer: bool = True) -> int:
+    """One pass, called by every rank of ``config``'s layout together: build the model, optimizer and lr
+    schedule as ``pretrain()`` does, load the checkpoint under ``load`` and save it under ``save`` in
+    ``ckpt_format``. Returns the iteration."""
+    import pretrain_gpt
+    from megatron_like.distributed import gathered_parameters
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.tensor_parallel import seed_everything
+    from megatron_like.training.checkpoint_validation import validate_checkpoint
+    from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_like.training.loop import build_model_chunks
+    from megatron_like.training.lr_schedule import LearningRateScheduler
+    from megatron_like.training.parallelize import parallelize
+
+    config = copy.deepcopy(config)
+    config.checkpoint.load_optim = config.checkpoint.save_optim = with_optimizer
+    ps = ParallelState.initialize(config.parallel, config.world_size)
+    seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
+    provider = functools.partial(pretrain_gpt.model_provider, padded_vocab_size=padded_vocab_size)
+    model = build_model_chunks(config, ps, provider)
+    _, optimizer = parallelize(config, ps, model)
+    scheduler = LearningRateScheduler(optimizer, config.optimizer, config.training.train_iters,
+                                      use_checkpoint_values=True)
+    validate_checkpoint(load, config, ps, model, optimizer)
+    with gathered_parameters(model, write_back=True):
+        iteration, consumed = load_checkpoint(load, config, ps, model, optimizer, scheduler)
+    if not optimizer.master_loaded:
+        optimizer.reload_model_params()
+    config.checkpoint.ckpt_format = ckpt_format
+    with gathered_parameters(model) if ckpt_format == "torch" else contextlib.nullcontext():
+        save_checkpoint(save, iteration, config, ps, model, optimizer, scheduler, consumed)
+    return iteration
+
+
+def run_pass(config: Config, load: str, save: str, ckpt_format: str, padded_vocab_size: int,
+             with_optimizer: bool) -> None:
+    """:func:`convert` on ``config.world_size`` CPU processes under torchrun."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"config": config.to_dict(), "load": load, "save": save, "ckpt_format": ckpt_format,
+                   "padded_vocab_size": padded_vocab_size, "with_optimizer": with_optimizer}, f)
     try:
-        from megatron_like.inference.loading import build_tokenizer_for
-
-        tokenizer = build_tokenizer_for(saved.data, None)
-        if tokenizer is not None:
-            return tokenizer.vocab_size
-    except (OSError, ValueError, KeyError, ImportError) as error:
-        print(f" > cannot build the saved tokenizer ({error}); keeping all {saved_rows} saved vocabulary rows")
-    return saved_rows
-
-
-def reshard(load: str, save: str, tp: int, pp: int, vp_layers: int | None = None, iteration: int | None = None,
-            vocab_size: int | None = None, dp: int | None = None, zero_stage: int | None = None,
-            with_optimizer: bool = True) -> str:
-    """Write the checkpoint ``load`` (latest, or ``iteration``) under ``save`` in the target layout.
-
-    ``dp`` and ``zero_stage`` (default: the source's) lay out the optimizer state, which is carried over
-    unless ``with_optimizer`` is False or the source has none.
-    """
-    source_dir = checkpoint_iteration_dir(load, iteration)
-    saved, full = load_full_state(load, iteration)
-    first_path = os.path.join(source_dir, "mp_rank_00_000", CHECKPOINT_FILE)
-    first = torch.load(first_path, weights_only=True, map_location="cpu", mmap=True)
-    saved_dp = first.get("dp_size", 1)
-    dp = saved_dp if dp is None else dp
-    zero_stage = saved.parallel.zero_stage if zero_stage is None else zero_stage
-    config = target_config(saved, tp, pp, vp_layers, dp, zero_stage)
-    saved_rows = full[VOCAB_PARAMS[0]].shape[0]
-    padded = config.padded_vocab_size(real_vocab_size(saved, saved_rows, vocab_size))
-    if padded < saved_rows:
-        print(f" > vocabulary rows {saved_rows} -> {padded} (padding rows dropped)")
-    optimizer_full = None
-    if with_optimizer:
-        shards = read_optimizer_shards(source_dir, saved, saved_dp)
-        if shards is None:
-            print(" > the source holds no optimizer state; the result holds none either")
-        else:
-            source = copy.deepcopy(saved)
-            source.world_size = saved_dp * (saved.parallel.tensor_model_parallel_size
-                                             * saved.parallel.pipeline_model_parallel_size)
-            optimizer_full = gather_full_optimizer(source, saved_rows, shards)
-    it = first["iteration"]
-    full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
-    sharded_optimizer = zero_stage >= 1 and dp > 1
-    for tp_rank in range(tp):
-        for pp_rank in range(pp):
-            directory = os.path.join(save, f"iter_{it:07d}", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
-            os.makedirs(directory, exist_ok=True)
-            for dp_rank in range(dp if sharded_optimizer else 1):
-                optimizer = None
-                if optimizer_full is not None:
-                    optimizer = shard_full_optimizer(config, padded, optimizer_full[0], optimizer_full[1],
-                                                     tp_rank, pp_rank, dp_rank)
-                state = {"iteration": it, "optimizer": optimizer}
-                if dp_rank == 0:
-                    state.update(consumed_samples=first["consumed_samples"], config=config.to_dict(),
-                                 model=shard_full_state(full, config, tp_rank, pp_rank, padded),
-                                 scheduler=first.get("scheduler"), dp_size=dp)
-                path = os.path.join(directory, CHECKPOINT_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt")
-                write_atomically(path, lambda f, s=state: torch.save(s, f))
-    write_atomically(os.path.join(save, TRACKER_FILE), lambda f: f.write(f"{it}\n".encode()))
-    return os.path.join(save, f"iter_{it:07d}")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={config.world_size}", os.path.abspath(__file__), "--pass-file", f.name]
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise CheckpointError(f"the conversion pass ({ckpt_format}, {config.world_size} processes) failed:\n"
+                                  f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    finally:
+        os.unlink(f.name)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--load", required=True, help="source checkpoint directory")
-    parser.add_argument("--save", required=True, help="where to write the resharded checkpoint")
-    parser.add_argument("--target-tensor-model-parallel-size", type=int, required=True)
-    parser.add_argument("--target-pipeline-model-parallel-size", type=int, required=True)
+def _run_pass_file(path: str) -> None:
+    """A torchrun worker of :func:`run_pass`."""
+    from megatron_like import collectives as comm
+
+    with open(path) as f:
+        job = json.load(f)
+    config = Config.from_dict(job["config"])
+    config.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    convert(config, job["load"], job["save"], job["ckpt_format"], job["padded_vocab_size"], job["with_optimizer"])
+    comm.shutdown()
+
+
+def reshard(args: argparse.Namespace) -> str:
+    """Write the latest checkpoint under ``args.load`` under ``args.save`` in ``args.ckpt_format`` (at the
+    target layout for the torch format); returns the written iteration directory."""
+    iteration = latest_iteration(args.load)
+    if iteration is None:
+        raise CheckpointError(f"--load {args.load} holds no latest_checkpointed_iteration.txt")
+    saved, saved_dp = saved_layout(args.load, iteration)
+    p = saved.parallel
+    source = layout_config(saved, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                           p.num_layers_per_virtual_pipeline_stage, saved_dp, p.zero_stage, p.optimizer_cpu_offload)
+    with_optimizer = not args.no_optimizer
+    from_dist = is_dist_checkpoint(args.load, iteration)
+    if from_dist and args.ckpt_format == "torch_dist":
+        raise CheckpointError(f"{args.load} is a torch_dist checkpoint, which loads at any layout as it is: resume "
+                              "with the new layout's flags and --load (or pass --ckpt-format torch)")
+    if args.ckpt_format == "torch_dist":  # torch -> torch_dist at the saved layout
+        run_pass(source, args.load, args.save, "torch_dist", saved_rows(args.load, iteration), with_optimizer)
+        return iteration_dir(args.save, iteration)
+    target = layout_config(
+        saved, args.target_tensor_model_parallel_size or p.tensor_model_parallel_size,
+        args.target_pipeline_model_parallel_size or p.pipeline_model_parallel_size,
+        args.target_num_layers_per_virtual_pipeline_stage, args.target_data_parallel_size or saved_dp,
+        p.zero_stage if args.target_zero_stage is None else args.target_zero_stage,
+        args.target_optimizer_cpu_offload)
+    padded = padded_vocab(target, args.load, iteration, args.vocab_size)
+    load = args.load
+    if not from_dist:  # torch -> torch_dist at the saved layout, then on
+        load = os.path.join(args.save, TMP_DIR)
+        run_pass(source, args.load, load, "torch_dist", saved_rows(args.load, iteration), with_optimizer)
+    run_pass(target, load, args.save, "torch", padded, with_optimizer)
+    if not from_dist:
+        shutil.rmtree(load)
+    return iteration_dir(args.save, iteration)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--load", required=True, help="source checkpoint directory (either format)")
+    parser.add_argument("--save", required=True, help="where to write the converted checkpoint")
+    parser.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                        help="format to write (default torch: the layout flags below apply; torch_dist loads at "
+                             "any layout)")
+    parser.add_argument("--target-tensor-model-parallel-size", type=int, default=None,
+                        help="default: the source's")
+    parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
+                        help="default: the source's")
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None)
     parser.add_argument("--target-data-parallel-size", type=int, default=None,
                         help="data-parallel size the optimizer state is laid out for (default: the source's)")
     parser.add_argument("--target-zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                         help="ZeRO stage of the resumed run (default: the source's)")
+    parser.add_argument("--target-optimizer-cpu-offload", action="store_true",
+                        help="lay the optimizer state out for --optimizer-cpu-offload")
     parser.add_argument("--no-optimizer", action="store_true", help="drop the optimizer state (Adam restarts)")
-    parser.add_argument("--iteration", type=int, default=None, help="source iteration (default: the latest)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="unpadded vocabulary (default: from the saved args or tokenizer)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--pass-file"]:
+        _run_pass_file(argv[1])
+        return 0
+    args = build_parser().parse_args(argv)
     if os.path.abspath(args.load) == os.path.abspath(args.save):
         print("error: --save must differ from --load (the source stays as it is)", file=sys.stderr)
         return 2
-    if is_torch_dist(checkpoint_iteration_dir(args.load, args.iteration)):
-        print(f"error: {args.load} is a --ckpt-format torch_dist checkpoint, which loads at any layout as it is: "
-              "resume with the new layout's flags and --load", file=sys.stderr)
-        return 2
     try:
-        path = reshard(args.load, args.save, args.target_tensor_model_parallel_size,
-                       args.target_pipeline_model_parallel_size, args.target_num_layers_per_virtual_pipeline_stage,
-                       args.iteration, args.vocab_size, args.target_data_parallel_size, args.target_zero_stage,
-                       not args.no_optimizer)
+        path = reshard(args)
     except ConfigError as error:
         print(f"error: target layout: {error}", file=sys.stderr)
         return 2
-    print(f" > wrote {path} (tp {args.target_tensor_model_parallel_size}, pp "
-          f"{args.target_pipeline_model_parallel_size}); resume with these layout flags and --load {args.save}")
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f" > wrote {path}; resume with --load {args.save}" + (
+        " and the target layout's flags" if args.ckpt_format == "torch" else " at any layout"))
     return 0
 
 

@@ -11,13 +11,14 @@ The family follows the model: a GPT-2-style checkpoint (learned positions, Layer
 ``model_type`` (gpt2, llama, mistral, qwen2, mixtral). Mixture-of-experts checkpoints are written at expert
 parallelism 1 (checkpoints at ``--expert-model-parallel-size > 1`` do not exist yet, docs/moe.md).
 
-``to-hf`` merges every ``mp_rank_TT_PPP`` shard, trims the padded vocabulary to the real one (the
-tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``, ``model.safetensors``
-and the tokenizer files when known (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; HF: ``tokenizer.json``);
-``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it. ``from-hf`` writes
-``<save>/iter_0000000/mp_rank_TT_PPP/model_optim_rng.pt`` for the requested layout (weights and config;
-no optimizer state: continue training from it with ``--finetune``), copying the tokenizer files into
-``<save>/tokenizer/`` and recording them in the checkpoint's config.
+``to-hf`` reads a checkpoint of either format and any layout as full weights, trims the padded vocabulary
+to the real one (the tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``,
+``model.safetensors`` and the tokenizer files when known (GPT-2 BPE: ``vocab.json`` + ``merges.txt``; HF:
+``tokenizer.json``); ``transformers.GPT2LMHeadModel.from_pretrained(dir)`` loads it. ``from-hf`` writes a checkpoint at
+iteration 0 in the torch_dist format, which loads at any layout (weights and config; no optimizer state:
+continue training from it with ``--finetune``; the layout flags set the vocabulary padding and the saved
+arguments; tools/checkpoint_reshard.py makes a torch-format one); it copies the tokenizer files into
+``<save>/tokenizer/`` and records them in the checkpoint's config.
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
 from megatron_like.config import Config, DataConfig, ModelConfig  # noqa: E402
 from megatron_like.inference import hf_gpt2, hf_llama, hf_mixtral  # noqa: E402
-from megatron_like.model.state import TRACKER_FILE, load_full_state, shard_full_state  # noqa: E402
+from megatron_like.model.state import load_full_state  # noqa: E402
 
 
 def tokenizer_files(data: DataConfig) -> dict[str, str]:
@@ -98,7 +98,6 @@ def is_llama_style(model: ModelConfig) -> bool:
 
 
 def from_hf(args: argparse.Namespace) -> None:
-    from megatron_like.training.checkpointing import rng_state
 
     hf_config, hf_state = hf_gpt2.read_hf_dir(args.load)
     model_type = hf_config.get("model_type")
@@ -128,19 +127,13 @@ def from_hf(args: argparse.Namespace) -> None:
     config.validate()
     padded = config.padded_vocab_size(config.model.vocab_size)
     full = family.from_hf_state(hf_state, config.model, padded)
-    it_dir = os.path.join(args.save, "iter_0000000")
-    for pp_rank in range(p.pipeline_model_parallel_size):
-        for tp_rank in range(p.tensor_model_parallel_size):
-            path = os.path.join(it_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
-            os.makedirs(path, exist_ok=True)
-            state = {"iteration": 0, "consumed_samples": 0, "config": config.to_dict(),
-                     "model": shard_full_state(full, config, tp_rank, pp_rank, padded),
-                     "optimizer": None, "scheduler": None, "rng": rng_state()}
-            torch.save(state, os.path.join(path, "model_optim_rng.pt"))
-    with open(os.path.join(args.save, TRACKER_FILE), "w") as f:
-        f.write("0\n")
-    print(f"wrote a tp={p.tensor_model_parallel_size} pp={p.pipeline_model_parallel_size} checkpoint "
-          f"(vocabulary {config.model.vocab_size} padded to {padded}) to {args.save}")
+    from megatron_like.training.dist_checkpointing import save_full_state
+
+    if not config.model.untie_embeddings_and_output_weights:
+        full.pop("output_layer.weight", None)  # the tied output layer reads the word embedding
+    save_full_state(args.save, 0, config, {"model." + k: v for k, v in full.items()})
+    print(f"wrote a torch_dist checkpoint (loads at any layout; vocabulary {config.model.vocab_size} padded to "
+          f"{padded} for tp={p.tensor_model_parallel_size}) to {args.save}")
 
 
 def build_parser() -> argparse.ArgumentParser:

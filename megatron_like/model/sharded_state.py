@@ -178,6 +178,18 @@ def model_save_pieces(model: list[nn.Module], ps: ParallelState, zero_stage: int
     return out
 
 
+def model_buffers(model: list[nn.Module], prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """``{prefix + global name: buffer}`` of every persistent buffer of the chunks (e.g. a QAT quantizer's
+    range ``amax``, a scalar). Buffers are whole on every rank: they are stored as plain values, not pieces."""
+    out = {}
+    for chunk in model:
+        params = {name for name, _ in chunk.named_parameters()}
+        for local_name in chunk.state_dict():
+            if local_name not in params:
+                out[prefix + global_name(chunk, local_name)] = chunk.get_buffer(local_name)
+    return out
+
+
 def model_load_pieces(model: list[nn.Module], ps: ParallelState, prefix: str = "model.") -> dict[str, GlobalPieces]:
     """Every local parameter whole, as a piece of its global tensor (load into full parameters: at ZeRO-3
     inside ``gathered_parameters(model, write_back=True)``). The last stage's tied copy reads the word

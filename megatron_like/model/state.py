@@ -1,12 +1,12 @@
-"""Layout-independent model weights: merge a checkpoint of any (tp, pp, vp) layout into full weights and
-cut full weights into the chunks of any other layout.
+"""Layout-independent model weights: read a checkpoint of either format and any (tp, pp, vp) layout as full
+weights, and cut this rank's chunk from them (generation, evaluation, the server, HF conversion).
 
 A *full state* is the state dict of the whole single-process model with *global* layer indices
 (``layers.7.mlp.fc1.weight``) and the vocabulary rows padded as saved. How each parameter splits over
 tensor parallelism is read from the parameters themselves (``tensor_model_parallel`` and
 ``partition_dim``, set by the tensor-parallel layers), so a forked model with new parameters needs no
-edit here. Used by generation (load any checkpoint into any layout), the Hugging Face converter and the
-checkpoint resharding tool.
+edit here. Training checkpoints change layout through torch.distributed.checkpoint instead
+(``--ckpt-format torch_dist``, tools/checkpoint_reshard.py).
 
 Checkpoint layouts read here (docs/checkpoints.md): torch_dist checkpoints hold full tensors already; the
 torch format (docs/design.md §5)::
@@ -167,21 +167,6 @@ def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: r
         word = resize_vocab(full[VOCAB_PARAMS[0]], padded_vocab_size)
         out["output_layer.weight"] = split_tp(word, VOCAB_PARAMS[0], tp_size, tp_rank)
     return out
-
-
-def shard_full_state(full: dict[str, torch.Tensor], config: Config, tp_rank: int, pp_rank: int,
-                     padded_vocab_size: int) -> list[dict[str, torch.Tensor]]:
-    """The chunk state dicts of rank (tp_rank, pp_rank) in ``config``'s layout (one per virtual stage)."""
-    p = config.parallel
-    pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
-    states = []
-    for v in range(vp):
-        states.append(chunk_state(
-            full, config.model, layers=chunk_layers(config.model.num_layers, pp, pp_rank, vp, v),
-            pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
-            tp_size=p.tensor_model_parallel_size, tp_rank=tp_rank, padded_vocab_size=padded_vocab_size,
-        ))
-    return states
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,39 +25,19 @@ import os
 import torch
 
 from megatron_like.config import Config
-from megatron_like.model.gpt import GPTModel, chunk_layers
-from megatron_like.model.state import CHECKPOINT_FILE, checkpoint_iteration_dir, partition_dim, to_global_names
+from megatron_like.model.gpt import GPTModel
+from megatron_like.model.state import load_full_state
 from megatron_like.parallel_state import ParallelState
 from megatron_like.quantization.qat import convert_to_int8, insert_fake_quant
 
 
-def _is_quantizer_state(name: str) -> bool:
-    return "_quantizer." in name
-
-
 def load_qat_checkpoint(root: str, iteration: int | None = None) -> tuple[Config, dict[str, torch.Tensor]]:
-    """Merge every shard of a (QAT) GPT checkpoint: (saved config, full state with global layer names).
+    """(saved config, full state with global layer names) of a (QAT) GPT checkpoint of any layout and format.
 
-    Quantizer ranges are the same on every tp rank (they are reduced over tp), so tp rank 0's are kept.
+    Quantizer ranges are the same on every tp rank (they are reduced over tp): stored once (torch_dist) or
+    kept from tp rank 0 (torch), see ``megatron_like/model/state.py``.
     """
-    it_dir = checkpoint_iteration_dir(root, iteration)
-    with open(os.path.join(it_dir, "mp_rank_00_000", CHECKPOINT_FILE), "rb") as f:
-        config = Config.from_dict(torch.load(f, map_location="cpu", weights_only=True)["config"])
-    p, m = config.parallel, config.model
-    tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
-    full: dict[str, torch.Tensor] = {}
-    for pp_rank in range(pp):
-        paths = [os.path.join(it_dir, f"mp_rank_{t:02d}_{pp_rank:03d}", CHECKPOINT_FILE) for t in range(tp)]
-        shards = [torch.load(path, weights_only=True, map_location="cpu")["model"] for path in paths]
-        for v in range(vp):
-            merged = {}
-            for name, first in shards[0][v].items():
-                dim = None if _is_quantizer_state(name) else partition_dim(name)
-                merged[name] = first if dim is None else torch.cat([s[v][name] for s in shards], dim=dim)
-            full.update(to_global_names(merged, chunk_layers(m.num_layers, pp, pp_rank, vp, v)))
-    if not m.untie_embeddings_and_output_weights:
-        full.pop("output_layer.weight", None)
-    return config, full
+    return load_full_state(root, iteration)
 
 
 def build_single_process_qat_model(config: Config, vocab_size: int) -> GPTModel:

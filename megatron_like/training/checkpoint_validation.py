@@ -33,6 +33,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training.checkpointing import (
+    DCP_METADATA,
     DIST_COMMON_FILE,
     RESHARD_HINT,
     TRACKER_FILE,
@@ -124,6 +125,9 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
             raise CheckpointError(f"checkpoint file {common} is missing; the torch_dist checkpoint is incomplete")
         check_same_model(read_checkpoint_file(common), config, common)
         return
+    if any(name.endswith(".distcp") for name in os.listdir(iteration_dir)):
+        raise CheckpointError(f"{iteration_dir} holds torch_dist pieces but no {DCP_METADATA} index (an interrupted "
+                              f"save); write an earlier saved iteration into {TRACKER_FILE}")
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.isfile(path):

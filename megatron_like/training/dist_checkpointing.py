@@ -13,6 +13,8 @@ Keys written through torch.distributed.checkpoint (DCP):
 * ``model.<name>``: every parameter under its single-process name and shape;
 * ``optimizer.exp_avg.<name>``, ``optimizer.exp_avg_sq.<name>`` and, when the params are not fp32,
   ``optimizer.master.<name>``: same shapes as the parameter;
+* ``model.<name>`` of a persistent buffer (e.g. a QAT quantizer's range): a plain value (bytes), written
+  by tp rank 0 and dp rank 0 of the stage holding it, as the torch format keeps dp rank 0's;
 * ``rng.tp<T>.pp<P>.dp<D>``: the generators of the rank at those coordinates (bytes).
 
 Each rank writes only elements it owns (its ZeRO shard, tp rank 0 for tp-replicated tensors, dp rank 0
@@ -62,6 +64,7 @@ from megatron_like.model.sharded_state import (
     VOCAB_PARAMS,
     GlobalPieces,
     clip_to,
+    model_buffers,
     model_load_pieces,
     model_save_pieces,
 )
@@ -73,6 +76,7 @@ from megatron_like.optimizer.sharded_state import (
 )
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import checkpointing as ckpt
+from megatron_like.training.resume import resume_notice
 
 # Format detection lives in checkpointing.py, which every run imports: this module pulls in DCP (and
 # DTensor, sympy: ~0.8 s per process) and is imported only by runs that read or write torch_dist.
@@ -221,15 +225,6 @@ def _staged(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _check_only_parameters(model: list[nn.Module]) -> None:
-    """torch_dist stores parameters only: refuse a model with other state (buffers) rather than drop it."""
-    for chunk in model:
-        extra = sorted(set(chunk.state_dict()) - {name for name, _ in chunk.named_parameters()})
-        if extra:
-            raise ckpt.CheckpointError(f"--ckpt-format torch_dist saves parameters only, and this model also holds "
-                                       f"{', '.join(extra[:3])}; use --ckpt-format torch")
-
-
 def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
                          optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
     """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
@@ -239,11 +234,12 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     names the checkpoint in the tracker only once DCP's save returned, i.e. once every rank's pieces and
     the index are on disk, so the tracker never names an incomplete checkpoint.
     """
-    _check_only_parameters(model)
     wait_for_async_save()
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
     state: dict[str, Any] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
+    if ps.tp_rank == 0 and ps.dp_rank == 0:
+        state.update({key: buffer.detach().cpu() for key, buffer in model_buffers(model).items()})
     save_optim = optimizer is not None and config.checkpoint.save_optim
     if save_optim:
         state.update(optimizer_save_pieces(optimizer, model, ps))
@@ -326,6 +322,9 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         params = {(MASTER_PREFIX + k[len("model."):] if MASTER_PREFIX + k[len("model."):] in shapes else k): v
                   for k, v in params.items()}
     state: dict[str, Any] = dict(params)
+    # Buffers the checkpoint lacks (a float model's checkpoint loaded by a QAT run) keep their initial value.
+    buffers = {key: buffer for key, buffer in model_buffers(model).items() if key in metadata}
+    state.update(dict.fromkeys(buffers))
 
     saved_optim = common.get("optimizer")
     load_optim = optimizer is not None and config.checkpoint.load_optim and not weights_only
@@ -354,8 +353,13 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     _dcp_load(state, path)
     if masters_from_params:  # every rank takes part, also one with nothing to read
         _dcp_load(second_read, path)
+    for key, buffer in buffers.items():
+        buffer.copy_(state[key])
     if weights_only:
         return 0, 0
+    notice = resume_notice(common["config"], common.get("scheduler"), config)
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     if install is not None:
         install(saved_optim["step"] if saved_optim else None)
         if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:
@@ -370,6 +374,28 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     return common["iteration"], common["consumed_samples"]
 
 
+def save_full_state(root: str, iteration: int, config: Config, full: dict[str, torch.Tensor],
+                    extra: dict[str, Any] | None = None) -> str:
+    """Write whole single-process tensors as a torch_dist checkpoint in this one process (no process group:
+    a tool's). ``full``: ``{model.<name> or optimizer.<kind>.<name>: global tensor}``; ``extra``: what
+    ``common.pt`` holds beyond the iteration, config and layout (consumed samples, scheduler, optimizer step).
+    Returns the iteration directory; the tracker names it last."""
+    path = iteration_dir(root, iteration)
+    os.makedirs(path, exist_ok=True)
+    state: dict[str, Any] = {k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) if t.ndim else t.clone()
+                             for k, t in full.items()}
+    _dcp_save(state, path)
+    p = config.parallel
+    dp = config.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    common = {"iteration": iteration, "consumed_samples": 0, "config": config.to_dict(), "scheduler": None,
+              "optimizer": None, "layout": {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                                            "dp": dp}}
+    common.update(extra or {})
+    ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+    ckpt.write_tracker(root, iteration)
+    return path
+
+
 def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) -> dict[str, torch.Tensor]:
     """Whole global tensors of a torch_dist checkpoint, read in this one process (no process group needed:
     call it outside a distributed run, e.g. in a tool or a test). Default: the latest iteration."""
@@ -379,12 +405,14 @@ def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) 
     missing = [k for k in keys if k not in metadata]
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path} has no {', '.join(missing)}")
-    out = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys}
+    out = {k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys
+           if not isinstance(metadata[k], BytesStorageMetadata)}
+    state: dict[str, Any] = {k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in out.items()}
+    state.update({k: None for k in keys if k not in out})  # plain values (buffers) are read whole
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in out.items()},
-                 storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
-    return out
+        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+    return {k: out[k] if k in out else state[k] for k in keys}
 
 
 def model_keys(path: str) -> list[str]:

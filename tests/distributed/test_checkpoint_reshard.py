@@ -1,10 +1,10 @@
-"""Resharding keeps the model: tp2 x pp2 -> tp1 x pp1 -> tp4 give the same logits on a fixed input; and it
-keeps the optimizer: ZeRO-2 over dp 2 resharded to tp 2 x dp 1 resumes like the straight run (fp32, bf16).
+"""tools/checkpoint_reshard.py moves torch-format checkpoints between layouts through torch_dist (DCP).
 
-One group of 4 processes: train 2 iterations at tp2 x pp2 and save; compute logits with that layout;
-rank 0 reshards to tp1 x pp1 and from there to tp4 with ``tools/checkpoint_reshard.py``; each layout is
-built by the trainer's own code and loaded by the trainer's ``load_checkpoint`` (not the
-layout-independent inference loader), and its logits are compared.
+It keeps the model: a torch checkpoint of tp2 x pp2 converted to torch_dist and from there to a torch one
+of tp4 gives the same logits on a fixed input (each layout built by the trainer's code and loaded by the
+trainer's ``load_checkpoint``). It keeps the optimizer: ZeRO-2 over dp 2 (fp32, bf16, CPU offload) moved to
+tp 2 x dp 1 resumes like the straight run. The tool's passes run here on the harness's ranks (the tool
+runs the same ``convert`` under torchrun; its command line is tested in tests/unit/test_sharded_state.py).
 """
 
 from __future__ import annotations
@@ -46,29 +46,45 @@ def logits_with_layout(world_size: int, load: str, layout: list[str], ps: Parall
     return None if logits is None else logits[..., :VOCAB]
 
 
-def reshard_and_compare(rank: int, world_size: int, root: str) -> dict:
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
+def converted(world_size: int, load: str, save: str, ckpt_format: str, tp: int | None = None) -> None:
+    """One pass of tools/checkpoint_reshard.py on this group of ranks: at the saved layout (``tp`` None) or at
+    tp x (world_size / tp), no ZeRO; the tool runs the same ``convert`` under torchrun."""
     import checkpoint_reshard
 
-    source, single, tp4 = (os.path.join(root, name) for name in ("tp2pp2", "tp1pp1", "tp4"))
-    train_gpt(rank, world_size, TP2_PP2 + ["--train-iters", "2", "--save", source])
-    out = {"tp2pp2": logits_with_layout(world_size, source, TP2_PP2)}
-    if rank == 0:
-        assert checkpoint_reshard.main(["--load", source, "--save", single, "--target-tensor-model-parallel-size", "1",
-                                        "--target-pipeline-model-parallel-size", "1"]) == 0
-        assert checkpoint_reshard.main(["--load", single, "--save", tp4, "--target-tensor-model-parallel-size", "4",
-                                        "--target-pipeline-model-parallel-size", "1"]) == 0
-        out["tp1pp1"] = logits_with_layout(1, single, [], ParallelState.single_process(torch.device("cpu")))
+    from megatron_like.model.state import read_saved_config
+    from megatron_like.training.checkpointing import latest_iteration
+
+    saved = read_saved_config(load)
+    p = saved.parallel
+    if tp is None:
+        layout = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, None,
+                  world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size), p.zero_stage,
+                  p.optimizer_cpu_offload)
+    else:
+        layout = (tp, 1, None, world_size // tp, 0, False)
+    config = checkpoint_reshard.layout_config(saved, *layout)
+    rows = checkpoint_reshard.saved_rows(load, latest_iteration(load))
+    padded = rows if ckpt_format == "torch_dist" else config.padded_vocab_size(VOCAB)
+    checkpoint_reshard.convert(config, load, save, ckpt_format, padded)
     comm.barrier()
-    out["tp4"] = logits_with_layout(world_size, tp4, ["--tensor-model-parallel-size", "4"])
+
+
+def reshard_and_compare(rank: int, world_size: int, root: str) -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    source, dist, tp4 = (os.path.join(root, name) for name in ("tp2pp2", "tp2pp2_dist", "tp4"))
+    train_gpt(rank, world_size, TP2_PP2 + ["--train-iters", "2", "--save", source, "--ckpt-format", "torch"])
+    out = {"tp2pp2": logits_with_layout(world_size, source, TP2_PP2)}
+    converted(world_size, source, dist, "torch_dist")  # torch at tp2 x pp2 -> torch_dist
+    converted(world_size, dist, tp4, "torch", tp=4)  # -> torch at tp4
+    assert os.path.exists(os.path.join(tp4, "iter_0000002", "mp_rank_03_000", "model_optim_rng.pt"))
+    out["tp4"] = logits_with_layout(world_size, tp4, ["--tensor-model-parallel-size", "4", "--ckpt-format", "torch"])
     return out
 
 
-def test_reshard_tp2pp2_to_tp1pp1_to_tp4_keeps_the_logits(tmp_path):
+def test_reshard_tp2pp2_to_tp4_keeps_the_logits(tmp_path):
     results = run_distributed(reshard_and_compare, 4, str(tmp_path))
     reference = next(r["tp2pp2"] for r in results if r["tp2pp2"] is not None)
     assert reference.shape == (2, 16, VOCAB) and reference.abs().max() > 0
-    torch.testing.assert_close(results[0]["tp1pp1"], reference, rtol=1e-5, atol=1e-5)
     for r in results:
         torch.testing.assert_close(r["tp4"], reference, rtol=1e-5, atol=1e-5)
 
@@ -78,20 +94,16 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 LR_FLAGS = ["--lr-decay-iters", "8", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine"]
 
 
-def zero_reshard_and_resume(rank: int, world_size: int, root: str, bf16: list[str]) -> dict:
+def zero_reshard_and_resume(rank: int, world_size: int, root: str, source_flags: list[str]) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "tools"))
-    import checkpoint_reshard
-
-    source, target = os.path.join(root, "zero2dp2"), os.path.join(root, "tp2")
-    flags = LR_FLAGS + bf16
+    source, dist, target = (os.path.join(root, name) for name in ("zero2dp2", "dist", "tp2"))
+    flags = LR_FLAGS + source_flags
     straight = train_gpt(rank, world_size, flags + ZERO2_DP2 + ["--train-iters", "8"])
-    train_gpt(rank, world_size, flags + ZERO2_DP2 + ["--train-iters", "4", "--save", source])
-    if rank == 0:
-        assert checkpoint_reshard.main(["--load", source, "--save", target, "--target-tensor-model-parallel-size", "2",
-                                        "--target-pipeline-model-parallel-size", "1",
-                                        "--target-data-parallel-size", "1", "--target-zero-stage", "0"]) == 0
-    comm.barrier()
-    resumed = train_gpt(rank, world_size, flags + TP2 + ["--train-iters", "8", "--load", target])
+    train_gpt(rank, world_size, flags + ZERO2_DP2 + ["--train-iters", "4", "--save", source, "--ckpt-format", "torch"])
+    converted(world_size, source, dist, "torch_dist")  # at the saved ZeRO-2 x dp 2 (offload) layout
+    converted(world_size, dist, target, "torch", tp=2)  # tp 2 x dp 1, no ZeRO
+    resumed = train_gpt(rank, world_size, LR_FLAGS + [f for f in source_flags if f == "--bf16"] + TP2
+                        + ["--train-iters", "8", "--load", target, "--ckpt-format", "torch"])
     return {"straight": straight["losses"], "resumed": resumed["losses"]}
 
 
@@ -109,3 +121,10 @@ def test_reshard_zero2_dp2_bf16_masters_to_tp2_resumes_like_the_straight_run(tmp
     results = run_distributed(zero_reshard_and_resume, 2, str(tmp_path), ["--bf16"])
     for r in results:
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"][4:]), rtol=0, atol=1e-3)
+
+
+def test_reshard_cpu_offload_optimizer_to_tp2_resumes_like_the_straight_run(tmp_path):
+    """ZeRO-2 with the optimizer offloaded to the CPU (CPUAdam's moments and step) reshards like any other."""
+    results = run_distributed(zero_reshard_and_resume, 2, str(tmp_path), ["--optimizer-cpu-offload"])
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"][4:]), rtol=1e-5, atol=1e-5)

@@ -33,10 +33,10 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
 
 @pytest.mark.parametrize(
     "world_size,layout",
-    [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-     (2, ["--zero-stage", "2"]),
-     (2, ["--zero-stage", "2", "--optimizer-cpu-offload"]),
-     (2, ["--zero-stage", "3"]),
+    [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"]),
+     (2, ["--zero-stage", "2", "--ckpt-format", "torch"]),
+     (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch"]),
+     (2, ["--zero-stage", "3", "--ckpt-format", "torch"]),
      (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
      (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch_dist"])],
     ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "zero3-dp2", "tp2-pp2-torch_dist",

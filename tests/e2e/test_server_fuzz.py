@@ -23,7 +23,8 @@ from tests.e2e.cli import Launched
 
 VOCAB = 64
 FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
-         "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8", "--init-method-std", "0.3"]
+         "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8", "--init-method-std", "0.3",
+         "--ckpt-format", "torch"]
 
 
 def tiny_checkpoint(root: str) -> str:

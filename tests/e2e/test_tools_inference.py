@@ -1,6 +1,8 @@
-"""CLI runs of the inference tools on a checkpoint trained at tp=2 x pp=2 (mock data, vocabulary 500):
-Hugging Face conversion both ways, generate.py (one process and torchrun tp=2) against HF greedy, the
-HTTP server with valid and invalid requests, evaluate.py against HF's loss, export.py's program.
+"""CLI runs of the inference tools on a torch_dist checkpoint (the default format) trained at tp=2 x pp=2
+(mock data, vocabulary 500), read at other layouts: Hugging Face conversion both ways, generate.py (one
+process and torchrun tp=2) against HF greedy, the HTTP server at tp=2 with valid and invalid requests,
+evaluate.py (one process and dp=2) against HF's loss, export.py's program. The torch format's readers
+share ``load_full_state`` with these (tests/unit/test_generation_state.py).
 
 The checkpoint's training and the tp=2 generation go through a real torchrun (the README's demo commands);
 the other tools run in processes forked from the test harness's server (tests/e2e/cli.py)."""
@@ -45,6 +47,7 @@ def checkpoint(tmp_path_factory) -> str:
                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--eval-iters", "1",
                    "--save", str(root / "ckpt")]
     torchrun(4, train_flags)
+    assert (root / "ckpt" / "iter_0000003" / ".metadata").exists()  # torch_dist, Megatron's default
     return str(root / "ckpt")
 
 
@@ -80,10 +83,10 @@ def test_hf_conversion_both_ways_keeps_the_logits(checkpoint, hf_dir, tmp_path):
     back = str(tmp_path / "back")
     run_tool("convert_hf.py", "from-hf", "--load", hf_dir, "--save", back, "--tensor-model-parallel-size", "2",
              "--pipeline-model-parallel-size", "2")
-    assert sorted(os.listdir(os.path.join(back, "iter_0000000"))) == \
-        ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(os.listdir(os.path.join(back, "iter_0000000"))) == [".metadata", "__0_0.distcp", "common.pt"]
     _, original = load_full_state(checkpoint)
     _, converted = load_full_state(back)
+    assert set(converted) == set(original)
     for name, tensor in original.items():
         rows = min(VOCAB, tensor.shape[0]) if "word_embeddings" in name else tensor.shape[0]
         assert torch.equal(converted[name][:rows], tensor[:rows]), name

@@ -17,7 +17,7 @@ from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import CheckpointError, save_checkpoint
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "8"]
+         "--mock-data", "--vocab-size", "64", "--make-vocab-size-divisible-by", "8", "--ckpt-format", "torch"]
 
 
 class Payload:
@@ -99,6 +99,13 @@ def test_tracker_and_layout_problems_are_refused(saved, tmp_path):
     # Not a flag check_compatible compares: the tensors themselves must fit.
     assert "embedding.word_embeddings.weight has shape (64, 32), this model has (128, 32)" in \
         refusal(root, "--vocab-size", "128")
+    # A torch_dist save interrupted before DCP wrote its index (the tracker never names one: a hand-edited
+    # tracker or a crash in a save that rewrote the named directory).
+    os.makedirs(os.path.join(root, "iter_0000009"))
+    open(os.path.join(root, "iter_0000009", "__0_0.distcp"), "wb").close()
+    with open(tracker, "w") as f:
+        f.write("9\n")
+    assert "iter_0000009 holds torch_dist pieces but no .metadata index (an interrupted save)" in refusal(root)
 
 
 def agreement_worker(rank: int, world_size: int, root: str) -> str:

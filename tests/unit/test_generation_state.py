@@ -11,14 +11,26 @@ import torch
 from megatron_like.config import Config, ModelConfig
 from megatron_like.inference import load_inference_model
 from megatron_like.model import GPTModel
+from megatron_like.model.gpt import chunk_layers
 from megatron_like.model.state import (
     TRACKER_FILE,
+    chunk_state,
     gather_full_state,
     load_full_state,
     partition_dim,
-    shard_full_state,
 )
 from megatron_like.parallel_state import ParallelState
+
+
+def chunks_of(full: dict[str, torch.Tensor], config: Config, tp_rank: int, pp_rank: int,
+              padded: int) -> list[dict[str, torch.Tensor]]:
+    """The chunk state dicts rank (tp_rank, pp_rank) of ``config``'s layout holds (one per virtual stage)."""
+    p, m = config.parallel, config.model
+    pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    return [chunk_state(full, m, layers=chunk_layers(m.num_layers, pp, pp_rank, vp, v),
+                        pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
+                        tp_size=p.tensor_model_parallel_size, tp_rank=tp_rank, padded_vocab_size=padded)
+            for v in range(vp)]
 
 
 def write_checkpoint(root: str, config: Config, full: dict[str, torch.Tensor], padded: int) -> None:
@@ -28,7 +40,7 @@ def write_checkpoint(root: str, config: Config, full: dict[str, torch.Tensor], p
         for tp_rank in range(p.tensor_model_parallel_size):
             path = os.path.join(root, "iter_0000007", f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
             os.makedirs(path)
-            torch.save({"config": config.to_dict(), "model": shard_full_state(full, config, tp_rank, pp_rank, padded)},
+            torch.save({"config": config.to_dict(), "model": chunks_of(full, config, tp_rank, pp_rank, padded)},
                        os.path.join(path, "model_optim_rng.pt"))
     with open(os.path.join(root, TRACKER_FILE), "w") as f:
         f.write("7\n")

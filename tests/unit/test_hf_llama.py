@@ -1,7 +1,7 @@
 """Hugging Face Llama / Mistral / Qwen2 <-> our checkpoints (megatron_like/inference/hf_llama.py and
 tools/convert_hf.py), on tiny random transformers models built from a config (nothing downloaded).
 
-from-hf writes a tp2 x pp2 checkpoint whose logits (read back in one process, which reshards) equal the
+from-hf writes a torch_dist checkpoint (padded for tp2 x pp2) whose logits (read back in one process) equal the
 transformers model's; to-hf of that checkpoint loads in transformers with the same tensors; Qwen2's QKV
 bias and Mistral's config convert the same way; each converter refuses the other family in one line.
 """
@@ -72,8 +72,8 @@ def llama_dirs(tmp_path_factory):
 
 def test_from_hf_at_tp2_pp2_keeps_the_logits(llama_dirs):
     hf, _, ours_dir, _ = llama_dirs
-    assert sorted(os.listdir(os.path.join(ours_dir, "iter_0000000"))) == \
-        ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    # torch_dist (the default): global tensors, read here in one process
+    assert sorted(os.listdir(os.path.join(ours_dir, "iter_0000000"))) == [".metadata", "__0_0.distcp", "common.pt"]
     loaded = load_inference_model(ours_dir, ParallelState.single_process(torch.device("cpu")))
     m = loaded.config.model
     assert (m.query_groups, m.rotary_base, m.swiglu, m.linear_bias, m.qkv_bias) == (GROUPS, 500000, True, False,

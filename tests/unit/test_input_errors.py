@@ -86,7 +86,7 @@ def test_load_equal_to_save_starts_fresh_with_a_notice(tmp_path, capsys, monkeyp
     assert f" > WARNING: --load {save} holds no checkpoint; starting from scratch" in out
     assert os.path.exists(os.path.join(save, "iter_0000002"))
 
-    shard = os.path.join(save, "iter_0000002", "mp_rank_00_000", "model_optim_rng.pt")
+    shard = os.path.join(save, "iter_0000002", "common.pt")  # torch_dist (the default format)
     with open(shard, "wb") as f:
         f.write(b"garbage")
     with pytest.raises(SystemExit) as stopped:

@@ -4,6 +4,7 @@ single-process save and resume (DCP without a process group; --load detects the 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -41,8 +42,8 @@ def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path):
     straight = train_gpt(0, 1, flags + ["--train-iters", "4"])
     train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path), "--ckpt-format", "torch_dist"])
     assert (tmp_path / "iter_0000002" / ".metadata").exists()
-    # Loaded without --ckpt-format (default torch): the format is read from the directory.
-    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path)])
+    # Loaded with --ckpt-format torch (the format of this run's own saves): --load reads it from the directory.
+    resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--ckpt-format", "torch"])
     assert resumed["losses"] == straight["losses"][2:]
     with pytest.raises(CheckpointError, match="--hidden-size 64 but this run has 32"):
         train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--hidden-size", "32"])
@@ -70,16 +71,13 @@ def test_precision_change_takes_masters_from_the_right_keys(tmp_path):
                                rtol=0, atol=2e-2)
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--async-save"], "--async-save writes torch_dist checkpoints only"),
-    (["--qat", "--ckpt-format", "torch_dist"], "--qat keeps quantizer statistics"),
-])
-def test_checkpoint_format_flags_that_do_not_fit_are_refused(flags, message):
+def test_async_save_of_the_torch_format_is_refused():
     from megatron_like.config import ConfigError, parse_config
     from tests.distributed.gpt_runs import BASE_FLAGS
 
-    with pytest.raises(ConfigError, match=message):
-        parse_config(BASE_FLAGS + flags, world_size=1)
+    assert parse_config(BASE_FLAGS, world_size=1).checkpoint.ckpt_format == "torch_dist"  # Megatron's default
+    with pytest.raises(ConfigError, match="--async-save writes torch_dist checkpoints only; drop --ckpt-format torch"):
+        parse_config(BASE_FLAGS + ["--async-save", "--ckpt-format", "torch"], world_size=1)
 
 
 def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
@@ -90,7 +88,7 @@ def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
     from megatron_like.parallel_state import ParallelState
 
     flags = ["--train-iters", "2", "--untie-embeddings-and-output-weights"]
-    train_gpt(0, 1, flags + ["--save", str(tmp_path / "torch")])
+    train_gpt(0, 1, flags + ["--save", str(tmp_path / "torch"), "--ckpt-format", "torch"])
     train_gpt(0, 1, flags + ["--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
     assert read_saved_config(str(tmp_path / "dist")).model == read_saved_config(str(tmp_path / "torch")).model
     _, expected = load_full_state(str(tmp_path / "torch"))
@@ -109,16 +107,24 @@ def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
     assert torch.equal(logits[0], logits[1])
 
 
-def test_reshard_tool_sends_torch_dist_checkpoints_back_to_the_trainer(tmp_path, capsys):
+def test_reshard_tool_command_line_converts_torch_through_torch_dist_and_refuses_needless_work(tmp_path, capsys):
+    """tools/checkpoint_reshard.py on the command line: a one-process torch checkpoint becomes a torch one of
+    tp 2 in two torchrun passes (torch -> torch_dist at tp 1, torch_dist -> torch at tp 2; the temporary copy
+    is removed); torch_dist -> torch_dist is refused. (Resuming from its results: test_checkpoint_reshard.py.)"""
     import sys
 
     from tests.e2e.cli import ROOT
 
-    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist"), "--ckpt-format", "torch_dist"])
+    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "torch"), "--ckpt-format", "torch"])
+    train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist")])
     sys.path.insert(0, str(ROOT / "tools"))
     import checkpoint_reshard
 
-    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "out"),
-                                    "--target-tensor-model-parallel-size", "2",
-                                    "--target-pipeline-model-parallel-size", "1"]) == 2
+    out = tmp_path / "tp2"
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "torch"), "--save", str(out), "--ckpt-format", "torch",
+                                    "--target-tensor-model-parallel-size", "2"]) == 0
+    assert sorted(os.listdir(out)) == ["iter_0000001", "latest_checkpointed_iteration.txt"]  # no torch_dist_tmp
+    assert sorted(os.listdir(out / "iter_0000001")) == ["mp_rank_00_000", "mp_rank_01_000"]
+    assert checkpoint_reshard.main(["--load", str(tmp_path / "dist"), "--save", str(tmp_path / "again"),
+                                    "--ckpt-format", "torch_dist"]) == 2
     assert "torch_dist checkpoint, which loads at any layout" in capsys.readouterr().err
