@@ -165,6 +165,8 @@ def train(args: argparse.Namespace) -> dict[str, list]:
             history["valid"].append((iteration, sum(losses) / len(losses)))
             print(f" validation loss at iteration {iteration} | lm loss value: {history['valid'][-1][1]:.6E} |",
                   flush=True)
+    if args.save:
+        torch.save(model.state_dict(), args.save)
     return history
 
 
@@ -193,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=20)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=5)
+    parser.add_argument("--save", help="write the trained model's state_dict to this file")
     parser.add_argument("--same-init", action="store_true",
                         help="start from megatron_like's initial weights for --seed instead of this file's own draw")
     return parser.parse_args(argv)
