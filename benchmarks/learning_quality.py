@@ -85,10 +85,11 @@ def curve(pattern: re.Pattern, text: str) -> dict[int, float]:
     return {int(it): float(value) for it, value in pattern.findall(text)}
 
 
-def spread(values: list[float]) -> str:
-    """'mean (min .. max, sd s)' of ``values``."""
-    sd = f", sd {statistics.stdev(values):.2f}" if len(values) > 1 else ""
-    return f"{statistics.mean(values):.2f} ({min(values):.2f} .. {max(values):.2f}{sd}, {len(values)} runs)"
+def spread(values: list[float], digits: int = 2) -> str:
+    """'mean (min .. max, sd s, n runs)' of ``values``."""
+    sd = f", sd {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+    return (f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} .. {max(values):.{digits}f}{sd}, "
+            f"{len(values)} runs)")
 
 
 def vit(work: Path, args: argparse.Namespace) -> None:
@@ -162,9 +163,13 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
     for seed in args.seeds:
         sides = [side for s, side in runs if s == seed]
         print(f"\nseed {seed}: validation loss every {args.eval_interval} iterations\n")
-        print("| iteration | " + " | ".join(sides) + " |\n|---" * (len(sides) + 1) + "|")
+        others = [side for side in sides if side != "plain, same init"]
+        print("| iteration | " + " | ".join(sides) + "".join(f" | {side} vs plain" for side in others) + " |")
+        print("|---" * (len(sides) + len(others) + 1) + "|")
         for it in iterations:
-            print(f"| {it} | " + " | ".join(f"{valid[seed, side][it]:.4f}" for side in sides) + " |")
+            plain = valid[seed, "plain, same init"][it]
+            print(f"| {it} | " + " | ".join(f"{valid[seed, side][it]:.4f}" for side in sides)
+                  + "".join(f" | {100 * (valid[seed, side][it] / plain - 1):+.2f}%" for side in others) + " |")
     print(f"\neach run vs plain (same init) at iteration {last}, (run / plain - 1) in %:\n")
     gaps: dict[str, list[float]] = {}
     for (seed, side), values in valid.items():
@@ -174,9 +179,9 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
             print(f"- seed {seed}, {side}: {values[last]:.4f} vs {valid[seed, 'plain, same init'][last]:.4f}, "
                   f"{gap:+.2f}%")
     for side, values in gaps.items():
-        print(f"- {side}: mean {spread(values)}")
+        print(f"- {side} vs plain, %: mean {spread(values)}")
     for side in ("ours, 1 process", "plain, same init"):
-        print(f"- {side}, validation loss at {last}: {spread([valid[s, side][last] for s in args.seeds])}")
+        print(f"- {side}, validation loss at {last}: {spread([valid[s, side][last] for s in args.seeds], 4)}")
 
 
 def main(argv: list[str] | None = None) -> None:
