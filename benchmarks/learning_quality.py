@@ -8,8 +8,10 @@ validation loss every ``--eval-interval`` iterations, 50 by default, on the same
 trained for every seed by ``pretrain_gpt.py`` in one process, at tp2 x pp2 for the ``--tp2-pp2-seeds``, and by
 ``benchmarks/plain_gpt.py --same-init`` (the plain GPT starts from the weights our ``GPTModel`` draws for that
 seed and reads the same samples, so the only differences are the model code, the update and float rounding;
-``--plain-own-init`` adds the plain GPT from its own draw). It prints both validation curves side by side
-for every seed, then ours minus plain at the last iteration: each seed, the mean and the spread.
+``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT at micro
+batch 8: the same sums in another order, the spread float rounding alone gives). It prints both validation
+curves side by side for every seed, then ours minus plain at the last iteration: each seed, the mean and the
+spread.
 
 ``vit``: scikit-learn's digits written by ``data_tools/make_digits_dataset.py`` (needs scikit-learn), the
 README's ViT recipe (4 layers, hidden 128, 4 heads, patch 4, global batch 32, lr 1e-3, 20 warmup iterations,
