@@ -1,20 +1,26 @@
 """Does our code learn as well as a plain PyTorch model of the same size and recipe? Both sides, one table.
 
-    .venv/bin/python benchmarks/learning_quality.py vit   # digits: ViT top-1, ours (1 process, tp2 x pp2) vs plain
-    .venv/bin/python benchmarks/learning_quality.py gpt   # the demo's GPT: validation loss, ours vs plain
+    .venv/bin/python benchmarks/learning_quality.py gpt --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
+    .venv/bin/python benchmarks/learning_quality.py vit --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
+
+``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing; the
+validation loss every ``--eval-interval`` iterations, 50 by default, on the same samples for every run),
+trained for every seed by ``pretrain_gpt.py`` in one process, at tp2 x pp2 for the ``--tp2-pp2-seeds``, and by
+``benchmarks/plain_gpt.py --same-init`` (the plain GPT starts from the weights our ``GPTModel`` draws for that
+seed and reads the same samples, so the only differences are the model code, the update and float rounding;
+``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT at micro
+batch 8: the same sums in another order, the spread float rounding alone gives). It prints both validation
+curves side by side for every seed, then ours minus plain at the last iteration: each seed, the mean and the
+spread.
 
 ``vit``: scikit-learn's digits written by ``data_tools/make_digits_dataset.py`` (needs scikit-learn), the
 README's ViT recipe (4 layers, hidden 128, 4 heads, patch 4, global batch 32, lr 1e-3, 20 warmup iterations,
-300 iterations, dropout 0.1), trained by ``pretrain_vit.py`` in one process and at tp2 x pp2 (torchrun, 4 CPU
-processes) and by ``benchmarks/plain_vit.py``; top-1 accuracy over the whole validation folder.
+300 iterations, dropout 0.1), trained for every seed by ``pretrain_vit.py`` in one process (and at tp2 x pp2,
+4 CPU processes, for the ``--tp2-pp2-seeds``) and by ``benchmarks/plain_vit.py``; top-1 accuracy over the whole
+validation folder per run, then the mean and spread of each side.
 
-``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing),
-trained by ``pretrain_gpt.py`` in one process and at tp2 x pp2 and by ``benchmarks/plain_gpt.py`` on the same
-samples, once from its own initial draw and once from our initial weights (``--same-init``: the two trainings
-then agree step by step, so what is left between ours and the plain run is the initial draw); the validation
-loss at every ``--eval-interval`` and the training loss curve.
-
-Runs are sequential; each side prints its own log to ``--work-dir``. Several minutes per run on 2 cores.
+Each run keeps its log in ``--work-dir``; a finished log is reused (``--rerun`` trains again), so an
+interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several minutes per run on 2 cores.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,51 +42,84 @@ TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size"
 VIT_RECIPE = ["--image-size", "32", "--patch-size", "4", "--num-layers", "4", "--hidden-size", "128",
               "--num-attention-heads", "4", "--micro-batch-size", "8", "--global-batch-size", "32",
               "--train-iters", "300", "--lr", "1e-3", "--lr-warmup-iters", "20", "--eval-interval", "100",
-              "--eval-iters", "4", "--log-interval", "20", "--num-workers", "0", "--seed", "1234"]
+              "--eval-iters", "4", "--log-interval", "20", "--num-workers", "0"]
+# scripts/demo.sh's model and training flags (its --eval-interval 100 becomes --eval-interval here).
 DEMO_GPT = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
-            "--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
             "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", "300", "--lr", "2e-3",
             "--min-lr", "2e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--weight-decay", "0.1",
-            "--clip-grad", "1.0", "--seed", "1234", "--split", "98,2,0", "--num-workers", "0",
-            "--log-interval", "20", "--eval-interval", "100", "--eval-iters", "5"]
+            "--clip-grad", "1.0", "--split", "98,2,0", "--log-interval", "20", "--eval-iters", "5"]
+OURS_GPT = ["--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+            "--num-workers", "0", "--tokenizer-type", "GPT2BPETokenizer"]
 
 TOP1 = re.compile(r"validation set: (\d+) images \| top-1 accuracy: ([0-9.]+)")
 TRAIN_LOSS = re.compile(r"iteration\s+(\d+)(?:/\s*\d+)? \|(?:.*?\|)? (?:lm )?loss: ([0-9.E+-]+)")
 VALID_LOSS = re.compile(r"validation loss at iteration (\d+) \| (?:.*?)lm loss value: ([0-9.E+-]+)")
 
 
-def run(command: list[str], log: Path) -> str:
-    """Run ``command`` from the repo root (one thread per process); keep its output in ``log``; return it."""
+def run(command: list[str], log: Path, rerun: bool = False) -> str:
+    """Run ``command`` from the repo root (one thread per process) into ``log``; return its output.
+
+    The output goes to ``log``.partial while it runs (``tail -f`` it) and is renamed to ``log`` on success;
+    an existing ``log`` is a finished run and is returned as it is unless ``rerun``.
+    """
+    if log.exists() and not rerun:
+        print(f"reusing {log}", flush=True)
+        return log.read_text()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    partial = log.with_name(log.name + ".partial")
     print(f"$ {' '.join(command)}  > {log}", flush=True)
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed ({proc.returncode}), see {log}:\n{proc.stderr[-2000:]}")
-    return proc.stdout
+    with partial.open("w") as out:
+        code = subprocess.run(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise SystemExit(f"failed ({code}), see {partial}:\n{partial.read_text()[-2000:]}")
+    partial.rename(log)
+    return log.read_text()
+
+
+def run_all(runs: dict[str, tuple[list[str], Path]], jobs: int, rerun: bool) -> dict[str, str]:
+    """``{name: (command, log)}`` -> ``{name: output}``, ``jobs`` trainings at a time."""
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {name: pool.submit(run, command, log, rerun) for name, (command, log) in runs.items()}
+        return {name: future.result() for name, future in futures.items()}
 
 
 def curve(pattern: re.Pattern, text: str) -> dict[int, float]:
     return {int(it): float(value) for it, value in pattern.findall(text)}
 
 
-def vit(work: Path) -> None:
+def spread(values: list[float], digits: int = 2) -> str:
+    """'mean (min .. max, sd s, n runs)' of ``values``."""
+    sd = f", sd {statistics.stdev(values):.{digits}f}" if len(values) > 1 else ""
+    return (f"{statistics.mean(values):.{digits}f} ({min(values):.{digits}f} .. {max(values):.{digits}f}{sd}, "
+            f"{len(values)} runs)")
+
+
+def vit(work: Path, args: argparse.Namespace) -> None:
     data = work / "digits"
     if not (data / "val").is_dir():
         run([PY, "data_tools/make_digits_dataset.py", "--output-dir", str(data)], work / "make_digits.log")
     ours = [*VIT_RECIPE, "--data-path", str(data)]
-    sides = {
-        "ours, 1 process": run([PY, "pretrain_vit.py", *ours], work / "vit_ours_1proc.log"),
-        "ours, tp2 x pp2": run([*TORCHRUN, "pretrain_vit.py", *ours, *TP2_PP2], work / "vit_ours_tp2pp2.log"),
-        "plain PyTorch ViT": run([PY, "benchmarks/plain_vit.py", "--data-path", str(data)],
-                                 work / "vit_plain.log"),
-    }
+    runs: dict[str, tuple[list[str], Path]] = {}
+    for seed in args.seeds:
+        runs[f"ours, 1 process, seed {seed}"] = ([PY, "pretrain_vit.py", *ours, "--seed", str(seed)],
+                                                 work / f"vit_ours_1proc_seed{seed}.log")
+        runs[f"plain PyTorch ViT, seed {seed}"] = ([PY, "benchmarks/plain_vit.py", "--data-path", str(data),
+                                                    "--seed", str(seed)], work / f"vit_plain_seed{seed}.log")
+    for seed in args.tp2_pp2_seeds:
+        runs[f"ours, tp2 x pp2, seed {seed}"] = ([*TORCHRUN, "pretrain_vit.py", *ours, *TP2_PP2, "--seed", str(seed)],
+                                                 work / f"vit_ours_tp2pp2_seed{seed}.log")
+    outputs = run_all(runs, args.jobs, args.rerun)
     print("\n| run | top-1 on the val folder | training loss at iterations 100 / 200 / 300 |\n|---|---|---|")
-    for name, out in sides.items():
+    top1s: dict[str, list[float]] = {}
+    for name, out in outputs.items():
         images, top1 = TOP1.search(out).groups()
         losses = curve(TRAIN_LOSS, out)
         trail = " / ".join(f"{losses[i]:.3f}" for i in (100, 200, 300) if i in losses)
         print(f"| {name} | {top1}% of {images} | {trail} |")
+        top1s.setdefault(name.rsplit(", seed", 1)[0], []).append(float(top1))
+    print("\n| side | top-1 %: mean (min .. max, sd) |\n|---|---|")
+    for side, values in top1s.items():
+        print(f"| {side} | {spread(values)} |")
 
 
 def demo_data(work: Path) -> tuple[list[str], list[str]]:
@@ -97,34 +138,72 @@ def demo_data(work: Path) -> tuple[list[str], list[str]]:
             ["--vocab-file", str(tok / "vocab.json"), "--merge-file", str(tok / "merges.txt")])
 
 
-def gpt(work: Path) -> None:
+def gpt(work: Path, args: argparse.Namespace) -> None:
     data, tokenizer = demo_data(work)
-    ours = [*DEMO_GPT, *data, "--tokenizer-type", "GPT2BPETokenizer", *tokenizer]
-    sides = {
-        "ours, 1 process": run([PY, "pretrain_gpt.py", *ours], work / "gpt_ours_1proc.log"),
-        "ours, tp2 x pp2": run([*TORCHRUN, "pretrain_gpt.py", *ours, *TP2_PP2], work / "gpt_ours_tp2pp2.log"),
-        "plain PyTorch GPT": run([PY, "benchmarks/plain_gpt.py", *data, *tokenizer], work / "gpt_plain.log"),
-        "plain PyTorch GPT, our initial weights": run([PY, "benchmarks/plain_gpt.py", *data, *tokenizer,
-                                                       "--same-init"], work / "gpt_plain_same_init.log"),
-    }
-    reference = curve(VALID_LOSS, sides["plain PyTorch GPT"])
-    print("\n| run | validation loss at iterations 100 / 200 / 300 | vs plain at 300 | training loss every 20 "
-          "iterations |\n|---|---|---|---|")
-    for name, out in sides.items():
-        valid, losses = curve(VALID_LOSS, out), curve(TRAIN_LOSS, out)
-        last = max(valid)
-        print(f"| {name} | {' / '.join(f'{v:.4f}' for v in valid.values())} | "
-              f"{100 * (valid[last] / reference[last] - 1):+.2f}% | {' '.join(f'{v:.2f}' for v in losses.values())} |")
+    flags = [*DEMO_GPT, "--eval-interval", str(args.eval_interval), *data, *tokenizer]
+    runs: dict[tuple[int, str], tuple[list[str], Path]] = {}
+    for seed in args.seeds:
+        s = ["--seed", str(seed)]
+        runs[seed, "ours, 1 process"] = ([PY, "pretrain_gpt.py", *flags, *OURS_GPT, *s],
+                                         work / f"gpt_ours_1proc_seed{seed}.log")
+        runs[seed, "plain, same init"] = ([PY, "benchmarks/plain_gpt.py", *flags, "--same-init", *s],
+                                          work / f"gpt_plain_same_init_seed{seed}.log")
+        if seed in args.tp2_pp2_seeds:
+            runs[seed, "ours, tp2 x pp2"] = ([*TORCHRUN, "pretrain_gpt.py", *flags, *OURS_GPT, *TP2_PP2, *s],
+                                             work / f"gpt_ours_tp2pp2_seed{seed}.log")
+        if seed in args.float_control_seeds:  # the same sums in another order: what float rounding alone does
+            runs[seed, "plain, same init, micro batch 8"] = (
+                [PY, "benchmarks/plain_gpt.py", *flags, "--same-init", *s, "--micro-batch-size", "8"],
+                work / f"gpt_plain_same_init_mbs8_seed{seed}.log")
+        if args.plain_own_init:
+            runs[seed, "plain, own init"] = ([PY, "benchmarks/plain_gpt.py", *flags, *s],
+                                             work / f"gpt_plain_own_init_seed{seed}.log")
+    outputs = run_all({f"{seed}: {side}": job for (seed, side), job in runs.items()}, args.jobs, args.rerun)
+    valid = {key: curve(VALID_LOSS, outputs[f"{key[0]}: {key[1]}"]) for key in runs}
+    iterations = sorted(valid[args.seeds[0], "plain, same init"])
+    last = iterations[-1]
+    for seed in args.seeds:
+        sides = [side for s, side in runs if s == seed]
+        print(f"\nseed {seed}: validation loss every {args.eval_interval} iterations\n")
+        others = [side for side in sides if side != "plain, same init"]
+        print("| iteration | " + " | ".join(sides) + "".join(f" | {side} vs plain" for side in others) + " |")
+        print("|---" * (len(sides) + len(others) + 1) + "|")
+        for it in iterations:
+            plain = valid[seed, "plain, same init"][it]
+            print(f"| {it} | " + " | ".join(f"{valid[seed, side][it]:.4f}" for side in sides)
+                  + "".join(f" | {100 * (valid[seed, side][it] / plain - 1):+.2f}%" for side in others) + " |")
+    print(f"\neach run vs plain (same init) at iteration {last}, (run / plain - 1) in %:\n")
+    gaps: dict[str, list[float]] = {}
+    for (seed, side), values in valid.items():
+        if side != "plain, same init":
+            gap = 100 * (values[last] / valid[seed, "plain, same init"][last] - 1)
+            gaps.setdefault(side, []).append(gap)
+            print(f"- seed {seed}, {side}: {values[last]:.4f} vs {valid[seed, 'plain, same init'][last]:.4f}, "
+                  f"{gap:+.2f}%")
+    for side, values in gaps.items():
+        print(f"- {side} vs plain, %: mean {spread(values)}")
+    for side in ("ours, 1 process", "plain, same init"):
+        print(f"- {side}, validation loss at {last}: {spread([valid[s, side][last] for s in args.seeds], 4)}")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workflow", choices=("vit", "gpt"))
     parser.add_argument("--work-dir", default="runs/learning_quality", help="data and logs of the runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="--seed of each pair of runs")
+    parser.add_argument("--tp2-pp2-seeds", type=int, nargs="*", default=[1234],
+                        help="seeds also trained by ours at tp2 x pp2 (4 processes)")
+    parser.add_argument("--eval-interval", type=int, default=50, help="gpt: iterations between validations")
+    parser.add_argument("--float-control-seeds", type=int, nargs="*", default=[],
+                        help="gpt: seeds also trained by the plain GPT at micro batch 8 (the same global batch "
+                             "summed in another order: the spread float rounding alone gives)")
+    parser.add_argument("--plain-own-init", action="store_true", help="gpt: also the plain GPT from its own draw")
+    parser.add_argument("--jobs", type=int, default=1, help="trainings run at once")
+    parser.add_argument("--rerun", action="store_true", help="train again even where a finished log exists")
     args = parser.parse_args(argv)
     work = (ROOT / args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    {"vit": vit, "gpt": gpt}[args.workflow](work)
+    {"vit": vit, "gpt": gpt}[args.workflow](work, args)
 
 
 if __name__ == "__main__":

@@ -76,20 +76,12 @@ class PlainGPT(nn.Module):
 
 
 @torch.no_grad()
-def copy_initial_weights_of_ours(model: PlainGPT, args: argparse.Namespace, vocab: int) -> None:
-    """``--same-init``: start from the weights megatron_like's GPTModel draws for ``--seed`` (the same numbers,
-    not just the same distribution), so the two trainings can be compared step by step."""
-    from megatron_like.config import ModelConfig
-    from megatron_like.model import GPTModel
-    from megatron_like.parallel_state import ParallelState
-
-    h, heads = args.hidden_size, args.num_attention_heads
-    config = ModelConfig(num_layers=args.num_layers, hidden_size=h, num_attention_heads=heads,
-                         seq_length=args.seq_length)
-    ours = GPTModel(config, ParallelState.single_process(), vocab_size=vocab, seed=args.seed)
+def copy_weights(model: PlainGPT, ours: nn.Module) -> None:
+    """Give ``model`` the weights of megatron_like's single-process ``GPTModel`` ``ours`` (same numbers)."""
+    h, heads = model.norm.normalized_shape[0], model.blocks[0].heads
     model.tokens.weight.copy_(ours.embedding.word_embeddings.weight)
     model.positions.weight.copy_(ours.embedding.position_embeddings.weight)
-    for block, layer in zip(model.blocks, ours.layers):
+    for block, layer in zip(model.blocks, ours.layers, strict=True):
         # Ours lays the fused QKV out head by head ([heads, 3, head_dim]); this model as [3, heads, head_dim].
         qkv = layer.attention.qkv
         block.qkv.weight.copy_(qkv.weight.view(heads, 3, h // heads, h).transpose(0, 1).reshape(3 * h, h))
@@ -98,6 +90,18 @@ def copy_initial_weights_of_ours(model: PlainGPT, args: argparse.Namespace, voca
                              (block.fc2, layer.mlp.fc2), (block.ln1, layer.ln1), (block.ln2, layer.ln2)):
             mine.load_state_dict(theirs.state_dict())
     model.norm.load_state_dict(ours.final_layernorm.state_dict())
+
+
+def copy_initial_weights_of_ours(model: PlainGPT, args: argparse.Namespace, vocab: int) -> None:
+    """``--same-init``: start from the weights megatron_like's GPTModel draws for ``--seed`` (the same numbers,
+    not just the same distribution), so the two trainings can be compared step by step."""
+    from megatron_like.config import ModelConfig
+    from megatron_like.model import GPTModel
+    from megatron_like.parallel_state import ParallelState
+
+    config = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length)
+    copy_weights(model, GPTModel(config, ParallelState.single_process(), vocab_size=vocab, seed=args.seed))
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -165,6 +169,8 @@ def train(args: argparse.Namespace) -> dict[str, list]:
             history["valid"].append((iteration, sum(losses) / len(losses)))
             print(f" validation loss at iteration {iteration} | lm loss value: {history['valid'][-1][1]:.6E} |",
                   flush=True)
+    if args.save:
+        torch.save(model.state_dict(), args.save)
     return history
 
 
@@ -193,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=20)
     parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=5)
+    parser.add_argument("--save", help="write the trained model's state_dict to this file")
     parser.add_argument("--same-init", action="store_true",
                         help="start from megatron_like's initial weights for --seed instead of this file's own draw")
     return parser.parse_args(argv)

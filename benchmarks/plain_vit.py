@@ -9,7 +9,7 @@ Pillow and scaled to [-1, 1] (what ``pretrain_vit.py`` does). It prints the trai
 
     .venv/bin/python benchmarks/plain_vit.py --data-path data/digits --train-iters 300
 
-``benchmarks/vit_digits.py`` runs it next to ``pretrain_vit.py`` on the same folder.
+``benchmarks/learning_quality.py vit`` runs it next to ``pretrain_vit.py`` on the same folder.
 """
 
 from __future__ import annotations
