@@ -24,7 +24,6 @@ pretrained on these docstrings, so a model fine-tuned from it has read the dev t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -35,6 +34,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_demo_corpus import docstrings, stdlib_files  # noqa: E402
+
+from megatron_like.config import QuietArgumentParser  # noqa: E402
 
 
 def package_docstrings(root: str, min_chars: int) -> dict[str, dict[str, list[str]]]:
@@ -65,7 +66,7 @@ def split_files(files: dict[str, list[str]], dev_fraction: float, rng: random.Ra
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--num-classes", type=int, default=8, help="the packages with the most docstrings")
     parser.add_argument("--min-chars", type=int, default=80, help="shortest docstring kept")
