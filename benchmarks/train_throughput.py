@@ -4,7 +4,9 @@ Llama-style model versus ``LlamaForCausalLM``), in one run.
 Same sizes (default: 6 layers, hidden 512, 8 heads, seq 256, micro batch 8, vocab 50304, fp32; ``--llama``:
 rope, RMSNorm, SwiGLU with ffn 1408, 2 query groups, no biases, untied output layer, vocab 32000), same
 random tokens, same optimizer (torch AdamW, fused), dropout off in both. Trials alternate between the two
-models so a slow period of the machine hits both. MFU is model FLOPs per second (``6 N + 12 L h s`` per
+models so a slow period of the machine hits both. Each step is timed twice: wall clock (tokens/s) and the
+process's CPU time (``time.process_time``, all threads), whose ratio moves less when other jobs share the
+cores. MFU is model FLOPs per second (``6 N + 12 L h s`` per
 token, LM head included) over the fp32 matmul rate measured in the same run.
 
     .venv/bin/python benchmarks/train_throughput.py [--torch-compile] [--llama]
@@ -131,28 +133,32 @@ def main() -> None:
         for _ in range(args.warmup):
             step(tokens)
     times: dict[str, list[float]] = {name: [] for name in steps}
+    cpu_times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.trials):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             step(tokens)
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
     matmul_rate = measure_matmul_rate()
 
     flops = flops_per_token(Config(model=model_config(args)), args.vocab)
     tokens_per_step = args.micro_batch * args.seq
     hf_rate = tokens_per_step / statistics.median(times[hf_name])
+    hf_cpu = statistics.median(cpu_times[hf_name])
     mode = "torch.compile" if args.torch_compile else "eager"
     shape = f" {args.groups} groups ffn {args.ffn} (Llama style)" if args.llama else ""
     print(f"# training step, {args.layers}L h{args.hidden} {args.heads} heads{shape} seq {args.seq} micro batch "
           f"{args.micro_batch} vocab {args.vocab}, fp32 {mode}, {torch.get_num_threads()} threads")
     print(f"# measured fp32 matmul rate: {matmul_rate / 1e9:.1f} GFLOP/s")
-    print("| model | ms/step (median) | tokens/s | GFLOP/s | MFU vs matmul | speed vs HF |")
-    print("|---|---|---|---|---|---|")
+    print("| model | ms/step (median) | tokens/s | GFLOP/s | MFU vs matmul | speed vs HF | CPU s/step "
+          "| CPU-time speed vs HF |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, ts in times.items():
-        median = statistics.median(ts)
+        median, cpu = statistics.median(ts), statistics.median(cpu_times[name])
         rate = tokens_per_step / median
         print(f"| {name} | {median * 1000:.0f} | {rate:.0f} | {rate * flops / 1e9:.1f} | "
-              f"{rate * flops / matmul_rate:.0%} | {rate / hf_rate:.2f}x |")
+              f"{rate * flops / matmul_rate:.0%} | {rate / hf_rate:.2f}x | {cpu:.2f} | {hf_cpu / cpu:.2f}x |")
 
 
 if __name__ == "__main__":

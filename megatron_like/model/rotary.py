@@ -13,6 +13,8 @@ version below the model's floor; the model calls ``fused_apply_rotary``).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from megatron_like.kernels.rotary import apply_rotary_reference as apply_rotary  # noqa: F401 (re-export)
@@ -28,3 +30,26 @@ def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tup
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (s, rotary_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (s, rotary_dim)
     return angles.cos(), angles.sin()
+
+
+def sequence_rotary_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[seq_length, rotary_dim]`` of positions ``0 .. seq_length - 1``, built once and reused.
+
+    Training and evaluation rotate whole sequences, so every layer of every step needs the same tables:
+    rebuilding them is a few tiny ops, each paying a parallel region's start-up (Megatron-LM and Hugging
+    Face also build them once per forward). Callers must not write into the returned tensors. Under
+    ``torch.compile`` tracing the tables are built in the graph instead (the compiler folds them).
+    """
+    if torch.compiler.is_compiling():
+        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base)
+    return _cached_tables(seq_length, rotary_dim, float(base), torch.device(device))
+
+
+@lru_cache(maxsize=16)
+def _cached_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    # Normal tensors even when first asked for under torch.inference_mode (evaluation): inference tensors
+    # could not be saved for backward by a later training step.
+    with torch.inference_mode(False), torch.no_grad():
+        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base)

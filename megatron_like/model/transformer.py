@@ -35,7 +35,7 @@ from megatron_like.kernels import (
 )
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.norms import build_norm
-from megatron_like.model.rotary import rotary_cos_sin
+from megatron_like.model.rotary import sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
@@ -109,7 +109,7 @@ class SelfAttention(nn.Module):
         ``rotary_tables``: cos and sin ``[s, rotary_dim]`` of the tokens' positions (generation: they
         continue after the cached tokens, see ``KVCache.rotary_tables``); None = positions ``0 .. s - 1``:
         training sees whole sequences (the QKV linear gathered the sequence-parallel shards), so those are
-        the positions on every tp rank and pipeline stage.
+        the positions on every tp rank and pipeline stage (their tables are built once and cached).
         """
         s, b, _ = qkv.shape
         ng = self.groups_per_rank
@@ -120,7 +120,7 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary:
             if rotary_tables is None:
-                rotary_tables = rotary_cos_sin(torch.arange(s, device=qkv.device), self.rotary_dim, self.rotary_base)
+                rotary_tables = sequence_rotary_tables(s, self.rotary_dim, self.rotary_base, qkv.device)
             cos, sin = rotary_tables
             q, k = fused_apply_rotary(q, cos, sin), fused_apply_rotary(k, cos, sin)
         return q, k, v

@@ -241,7 +241,7 @@ def test_decode_steps_run_the_fast_path(hf_and_ours, monkeypatch):
     def training_tables(*args):
         raise AssertionError("a decode step recomputed rotary tables instead of slicing the cache's")
 
-    monkeypatch.setattr(transformer, "rotary_cos_sin", training_tables)
+    monkeypatch.setattr(transformer, "sequence_rotary_tables", training_tables)
     hook = ours.register_forward_hook(record, with_kwargs=True)
     try:
         packed_linear.ensure_packed([ours], len(prompts))
@@ -259,3 +259,30 @@ def test_decode_steps_run_the_fast_path(hf_and_ours, monkeypatch):
     assert calls == {"packed": new * (4 * LAYERS + 1), "tables": 1}  # every linear of every forward was packed
     if packed_linear._has_mkl():
         assert packed_linear.backend(1) == "mkl"  # one row: MKL's packed GEMV-like path is the faster one
+
+
+def test_training_builds_rotary_tables_once_and_they_survive_inference_mode(monkeypatch):
+    """Every layer of every step reuses one pair of tables (built under inference_mode by evaluation first:
+    still usable by a training backward), and a model with other rotary settings gets its own."""
+    from megatron_like.model import rotary
+
+    built = []
+
+    def counting(positions, rotary_dim, base):
+        built.append((len(positions), rotary_dim, base))
+        return original(positions, rotary_dim, base)
+
+    original = rotary.rotary_cos_sin
+    monkeypatch.setattr(rotary, "rotary_cos_sin", counting)
+    rotary._cached_tables.cache_clear()
+    ours = GPTModel(llama_config(), ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ours(ids[:, :-1], None)
+    for _ in range(2):
+        ours(ids[:, :-1], None, labels=ids[:, 1:]).mean().backward()
+    assert built == [(15, H // HEADS, 500000)]
+    other = GPTModel(llama_config(rotary_base=10000), ParallelState.single_process(torch.device("cpu")),
+                     vocab_size=VOCAB, seed=1)
+    other(ids[:, :-1], None)
+    assert built[1:] == [(15, H // HEADS, 10000)]
