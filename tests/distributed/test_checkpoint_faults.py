@@ -100,18 +100,32 @@ def _save_forever(root: str, start: int, config, ps, model, optimizer) -> None:
         save_checkpoint(root, iteration, config, ps, model, optimizer, None, 10 * iteration)
 
 
+def _seconds_to_first_save(context, root: str, last: int, config, ps, model, optimizer) -> float:
+    """How long a forked saver takes, measured now, from its start until the tracker names its first save."""
+    child = context.Process(target=_save_forever, args=(root, last, config, ps, model, optimizer), daemon=True)
+    start = time.perf_counter()
+    child.start()
+    while latest_iteration(root) == last and time.perf_counter() - start < 120:
+        time.sleep(0.001)
+    elapsed = time.perf_counter() - start
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    return elapsed
+
+
 def test_sigkill_during_saves_keeps_latest_checkpoint_loadable(tmp_path):
     root = str(tmp_path)
     config, ps, model, optimizer = build(root)
     fill(model, 1.0)
-    start = time.perf_counter()
     save_checkpoint(root, 1, config, ps, model, optimizer, None, 10)
-    # Kill moments scale with how long a save takes on this machine now: a fixed window let a loaded
-    # machine kill every child before its first save (and a fast one finish many saves per window).
-    window = 2 * (time.perf_counter() - start)
     context = multiprocessing.get_context("fork")
+    # Kill moments scale with how long a forked saver takes to finish its first save on this machine now (its
+    # start-up included): a window sized by the save alone killed every child before its first save on a quiet
+    # machine, and a fixed one did so on a loaded machine. Three such spans: most children save once or more,
+    # and the kills land anywhere in start-up, writing, renaming and the tracker update.
+    window = 3 * _seconds_to_first_save(context, root, 1, config, ps, model, optimizer)
     rng = random.Random(0)
-    last, advanced = 1, 0
+    last, advanced = assert_latest_loads(root, config, ps, model, optimizer), 0
     for _ in range(25):
         child = context.Process(target=_save_forever, args=(root, last, config, ps, model, optimizer),
                                 daemon=True)
