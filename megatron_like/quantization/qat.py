@@ -7,8 +7,8 @@ channel). Run it in the model provider, before data parallelism wraps the parame
 the (tied) output layer stay in float, as is usual for int8 LMs.
 
 :func:`convert_to_int8` replaces each QAT linear's float weight by int8 codes with per-channel scales
-and a frozen input scale; its forward quantizes the input, multiplies int8 by int8 into int32
-(``torch._int_mm``), and rescales: ``y = (q(x) @ q(W)^T) * s_x * s_W + b``, the fake-quant model's
+and a frozen input scale; its forward quantizes the input, multiplies int8 by int8 into exact int32 sums
+(:func:`exact_int8_mm`), and rescales: ``y = (q(x) @ q(W)^T) * s_x * s_W + b``, the fake-quant model's
 arithmetic with exact integer accumulation.
 """
 
@@ -91,6 +91,28 @@ def insert_fake_quant(model: nn.Module, ps: ParallelState, moving_rate: float = 
 # --------------------------------------------------------------------------------------------------
 
 
+# Every sum of up to 1024 products of int8 codes in [-127, 127] is an integer below 2^24, which float32 holds
+# exactly in any summation order.
+_EXACT_FP32_CHUNK = 1024
+
+
+def exact_int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [m, k]`` int8 times ``b [k, n]`` int8 -> exact int32 ``[m, n]``.
+
+    On CPU, ``torch._int_mm`` is not exact everywhere: oneDNN's int8 GEMM on a CPU without AVX-512 VNNI
+    (AVX2) multiplies through ``vpmaddubsw``, whose int16 pair sums saturate (an error of 22261 on random
+    codes of a 15x16 @ 16x8 product). So the CPU path runs float32 GEMMs over chunks of 1024 along ``k`` (each
+    exact, see above) and sums the chunks in int32. Elsewhere (CUDA) ``torch._int_mm`` accumulates in int32.
+    """
+    if a.device.type != "cpu":
+        return torch._int_mm(a, b)
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
+    for start in range(0, a.shape[1], _EXACT_FP32_CHUNK):
+        stop = start + _EXACT_FP32_CHUNK
+        out += (a[:, start:stop].float() @ b[start:stop].float()).to(torch.int32)
+    return out
+
+
 def int8_matmul(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor) -> torch.Tensor:
     """``x [..., in]`` (float) times int8 ``weight [out, in]``: quantize x, int32 accumulate, rescale.
@@ -99,7 +121,7 @@ def int8_matmul(x: torch.Tensor, weight_int8: torch.Tensor, weight_scale: torch.
     """
     shape = x.shape
     x_int8 = quantize(x.reshape(-1, shape[-1]), input_scale)
-    accumulated = torch._int_mm(x_int8, weight_int8.t())  # (tokens, out) int32, exact
+    accumulated = exact_int8_mm(x_int8, weight_int8.t())  # (tokens, out) int32
     y = accumulated.float() * (input_scale.float() * weight_scale.float())
     return y.reshape(*shape[:-1], weight_int8.shape[0])
 

@@ -53,7 +53,9 @@ def test_llama_logits_equal_transformers(hf_and_ours, backend):
     with torch.no_grad():
         expected = hf(ids).logits
         logits = ours(ids, None)
-    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # Logits up to ~9 from std-0.3 weights: with PyTorch's AVX2 kernels (ATEN_CPU_CAPABILITY=avx2, or a CPU
+    # without AVX-512) the SDPA path's sums round differently, 1.1e-5 at worst; a mapping error moves logits by ~1.
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=3e-5)
 
 
 def test_kv_cache_decoding_equals_full_forward(hf_and_ours):

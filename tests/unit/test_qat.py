@@ -59,6 +59,37 @@ def test_int8_matmul_equals_fake_quant_matmul():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+_EXACTNESS_CHECK = """
+import torch
+from megatron_like.quantization.qat import exact_int8_mm
+g = torch.Generator().manual_seed(0)
+for m, k, n in ((15, 16, 8), (3, 2500, 5)):  # k = 2500 spans three float32 chunks
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (k, n), generator=g, dtype=torch.int8)
+    extreme = torch.full((m, k), 127, dtype=torch.int8), torch.full((k, n), -127, dtype=torch.int8)
+    for x, y in ((a, b), extreme):
+        got = exact_int8_mm(x, y)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), x.long() @ y.long()), (m, k, n)
+print("exact")
+"""
+
+
+@pytest.mark.parametrize("onednn_isa", [None, "AVX2"])
+def test_int8_products_are_exact_on_any_cpu(onednn_isa):
+    """The int8 GEMM equals int64 arithmetic, also with oneDNN held to AVX2 (no VNNI), where torch._int_mm's
+    int16 pair sums saturate (it was off by 22261 on random codes); run in a subprocess so the ISA cap holds."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if onednn_isa:
+        env["ONEDNN_MAX_CPU_ISA"] = onednn_isa
+    proc = subprocess.run([sys.executable, "-c", _EXACTNESS_CHECK], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "exact", proc.stderr
+
+
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "8", "--mock-data", "--vocab-size", "256", "--make-vocab-size-divisible-by", "8",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100", "--num-workers", "0",
