@@ -27,6 +27,10 @@ sys.path.pop(0)
 H, HEADS, GROUPS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 120
 
 
+# Logits up to ~10 from std-0.3 weights, summed in other orders than transformers': 1e-5 holds with AVX-512 and
+# AVX2 kernels, PyTorch's unvectorized kernels (MEGATRON_LIKE_ISA=scalar) reach 3e-5; a mapping error moves ~1.
+LOGIT_ATOL = 5e-5
+
 def tiny(family: str, **overrides):
     """A tiny random ``<family>ForCausalLM`` (large init so attention and every layer matter)."""
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -79,7 +83,7 @@ def test_from_hf_at_tp2_pp2_keeps_the_logits(llama_dirs):
     assert (m.query_groups, m.rotary_base, m.swiglu, m.linear_bias, m.qkv_bias) == (GROUPS, 500000, True, False,
                                                                                    False)
     with torch.no_grad():
-        torch.testing.assert_close(loaded.model[0](IDS, None)[..., :VOCAB], hf(IDS).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loaded.model[0](IDS, None)[..., :VOCAB], hf(IDS).logits, rtol=1e-5, atol=LOGIT_ATOL)
 
 
 def test_to_hf_round_trip_gives_the_same_tensors_and_logits(llama_dirs):
@@ -103,7 +107,7 @@ def test_qwen2_bias_and_mistral_convert_both_ways(family):
     if family == "mistral":
         assert ours.config.max_positions == 32  # exact up to the sliding window
     with torch.no_grad():
-        torch.testing.assert_close(ours(IDS, None), hf(IDS).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours(IDS, None), hf(IDS).logits, rtol=1e-5, atol=LOGIT_ATOL)
     back = hf_llama.to_hf_state(ours.state_dict(), ours.config, VOCAB)
     assert sorted(back) == sorted(hf.state_dict())
     for name, tensor in hf.state_dict().items():
