@@ -73,15 +73,13 @@ def layout_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: in
 def saved_layout(load: str, iteration: int) -> tuple[Config, int]:
     """(saved config, data-parallel size it was saved at)."""
     saved = read_saved_config(load, iteration)
+    from megatron_like.training.checkpoint_validation import read_checkpoint_file  # one-line errors, weights only
+
     if is_dist_checkpoint(load, iteration):
-        import torch
-
-        common = torch.load(os.path.join(iteration_dir(load, iteration), "common.pt"), weights_only=True)
+        common = read_checkpoint_file(os.path.join(iteration_dir(load, iteration), "common.pt"))
         return saved, common.get("layout", {}).get("dp", 1)
-    import torch
-
-    first = torch.load(rank_file(os.path.join(iteration_dir(load, iteration), "mp_rank_00_000"), 0),
-                       weights_only=True, map_location="cpu", mmap=True)
+    first = read_checkpoint_file(rank_file(os.path.join(iteration_dir(load, iteration), "mp_rank_00_000"), 0),
+                                 mmap=True)
     return saved, first.get("dp_size", 1)
 
 

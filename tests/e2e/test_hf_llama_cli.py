@@ -1,7 +1,7 @@
-"""A LlamaForCausalLM converted by tools/convert_hf.py (to tp2 x pp2) generates through tools/generate.py the
-same greedy tokens as transformers' ``generate`` (Llama generation under tp is tests/distributed/
-test_generation_tp.py's; the conversion runs in-process, as tests/unit/test_hf_llama.py's, to spare a
-subprocess)."""
+"""A LlamaForCausalLM and a MixtralForCausalLM (expert parallelism 1) converted by tools/convert_hf.py (to
+tp2 x pp2) generate through tools/generate.py (one process, KV cache) the same greedy tokens as transformers'
+``generate`` (Llama generation under tp is tests/distributed/test_generation_tp.py's; the conversion runs
+in-process, as tests/unit/test_hf_llama.py's, to spare a subprocess)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import torch
 
 from tests.e2e.test_tools_inference import run_tool
 from tests.unit.test_hf_llama import convert_hf, tiny
+from tests.unit.test_hf_mixtral import tiny_mixtral
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = ["3 14 15 92 65", "35 89", "7 7 7"]
+TINY_MODELS = {"llama": lambda: tiny("llama"), "mixtral": tiny_mixtral}
 
 
-def test_converted_llama_generates_like_transformers(tmp_path):
-    hf = tiny("llama")
+@pytest.mark.parametrize("family", sorted(TINY_MODELS))
+def test_converted_model_generates_like_transformers(tmp_path, family):
+    hf = TINY_MODELS[family]()
     hf.save_pretrained(tmp_path / "hf")
     ours = str(tmp_path / "ours")
     convert_hf.main(["from-hf", "--load", str(tmp_path / "hf"), "--save", ours, "--tensor-model-parallel-size", "2",
