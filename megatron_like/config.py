@@ -715,10 +715,6 @@ class Config:
         _require(shared is None or shared % tp == 0,
                  f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                  f"--tensor-model-parallel-size {tp}")
-        ckpt = self.checkpoint
-        _require(ep == 1 or not (ckpt.save or ckpt.load),
-                 "--save/--load with --expert-model-parallel-size > 1 are not supported yet (each expert-parallel "
-                 "rank holds different experts); train with ep 1 to checkpoint")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "world_size"}

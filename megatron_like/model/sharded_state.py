@@ -12,6 +12,10 @@ Where a rank's local tensor sits in the global one:
   tp-rank order (offset ``tp_rank * local size``); other parameters are whole on every tp rank and are
   written by tp rank 0 only;
 * pipeline (and virtual) stages: by the global layer index in the name;
+* expert parallelism (MoE, docs/moe.md): an expert weight ``[E_local, ...]`` is a piece of the global
+  ``[E, ...]`` over all experts, at ``ep_rank * E_local`` along dim 0, combined with the tensor-parallel
+  split of each expert (:func:`expert_placement`); it is written by one expert-data-parallel replica (the
+  ranks holding the same experts), as dense weights are written by one data-parallel replica;
 * the tied word embedding: the last stage's copy (``shared_embedding``) has the first stage's name and
   is never written (the first stage owns it), but it is read like the original;
 * the padded vocabulary (``--make-vocab-size-divisible-by * tp``) depends on tp: a checkpoint holds the
@@ -93,6 +97,24 @@ class ParamPlacement:
     """Whole on every tp rank (written by tp rank 0 only)."""
     tied_copy: bool
     """The last stage's copy of the tied word embedding (never written)."""
+    expert: bool = False
+    """An expert weight (MoE): replicated over the expert-data-parallel group, not the data-parallel one."""
+
+
+def expert_placement(local_shape: tuple[int, ...], partition_dim: int, ep_rank: int, ep_size: int,
+                     expert_tp_rank: int, expert_tp_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global shape, global offset) of one rank's expert weight ``[E_local, ...]`` in ``[E, ...]``.
+
+    The rank holds experts ``ep_rank * E_local ...`` (dim 0) and, of each, the slice ``expert_tp_rank`` of
+    ``expert_tp_size`` along ``partition_dim``. Every expert-layout choice enters through the arguments: the
+    caller passes the tensor-parallel rank and size that split the experts (today the attention's tp).
+    """
+    shape, offset = list(local_shape), [0] * len(local_shape)
+    shape[0] *= ep_size
+    offset[0] = ep_rank * local_shape[0]
+    shape[partition_dim] *= expert_tp_size
+    offset[partition_dim] = expert_tp_rank * local_shape[partition_dim]
+    return tuple(shape), tuple(offset)
 
 
 def global_name(chunk: nn.Module, local_name: str) -> str:
@@ -111,6 +133,11 @@ def placements(chunk: nn.Module, ps: ParallelState) -> dict[nn.Parameter, ParamP
         name = VOCAB_PARAMS[0] if tied_copy else global_name(chunk, local_name)
         shape, offset = list(param.shape), [0] * param.ndim
         split = bool(getattr(param, "tensor_model_parallel", False))
+        if getattr(param, "expert_parallel", False):
+            global_shape, global_offset = expert_placement(tuple(param.shape), param.partition_dim, ps.ep_rank,
+                                                           ps.ep_size, ps.tp_rank, ps.tp_size)
+            out[param] = ParamPlacement(name, global_shape, global_offset, False, tied_copy, expert=True)
+            continue
         if split:
             dim = param.partition_dim
             shape[dim] *= ps.tp_size
@@ -159,11 +186,13 @@ def writes_segment(placement: ParamPlacement, ps: ParallelState, zero_stage: int
     """Whether this rank writes its segment of a parameter: each global element is written exactly once.
 
     Without ZeRO every dp rank holds the whole bucket (dp rank 0 writes it); with ZeRO each dp rank writes
-    its own shard. A tp-replicated parameter is written by tp rank 0, the tied copy never.
+    its own shard. Expert weights likewise over the expert-data-parallel group (the ranks holding the same
+    experts; their buckets are sharded there). A tp-replicated parameter is written by tp rank 0, the tied
+    copy never.
     """
     if placement.tied_copy or (placement.tp_replicated and ps.tp_rank != 0):
         return False
-    return zero_stage >= 1 or ps.dp_rank == 0
+    return zero_stage >= 1 or (ps.expert_dp_rank if placement.expert else ps.dp_rank) == 0
 
 
 def model_save_pieces(model: list[nn.Module], ps: ParallelState, zero_stage: int,

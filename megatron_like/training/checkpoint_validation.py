@@ -35,6 +35,7 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.training.checkpointing import (
     DCP_METADATA,
     DIST_COMMON_FILE,
+    MISSING_HINT,
     RESHARD_HINT,
     TRACKER_FILE,
     CheckpointError,
@@ -46,6 +47,7 @@ from megatron_like.training.checkpointing import (
     latest_iteration,
     optimizer_is_sharded,
     rank_file,
+    replica_rank,
 )
 
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
@@ -131,8 +133,7 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing (saved with another --tensor/--pipeline-"
-                              f"model-parallel-size? {RESHARD_HINT})")
+        raise CheckpointError(f"checkpoint file {path} is missing ({MISSING_HINT})")
     state = read_checkpoint_file(path, mmap=True)
     for key in ("iteration", "config", "model"):
         if key not in state:
@@ -141,8 +142,8 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     _check_model_tensors(state, model, path)
     if config.checkpoint.finetune:
         return
-    if ps.dp_rank > 0:
-        own_path = rank_file(directory, ps.dp_rank)
+    if replica_rank(ps) > 0:
+        own_path = rank_file(directory, replica_rank(ps))
         if os.path.exists(own_path):
             read_checkpoint_file(own_path, mmap=True)
         elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:

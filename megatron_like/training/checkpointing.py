@@ -6,6 +6,10 @@ Layout of one checkpoint (``TT`` = tp rank, ``PPP`` = pp rank, ``DDD`` = dp rank
     <root>/iter_0000100/mp_rank_TT_PPP/model_optim_rng.pt  data-parallel rank 0 of each (tp, pp) position
     <root>/iter_0000100/mp_rank_TT_PPP/optim_rng_dp_DDD.pt every other data-parallel rank (DDD >= 1)
 
+With expert parallelism (``--expert-model-parallel-size`` > 1, MoE) the directories are Megatron-LM's
+``mp_rank_TT_PPP_EEE`` (``EEE`` = ep rank: each holds its own experts) and ``DDD`` counts the ranks holding the
+same experts (the expert-data-parallel rank, ``dp_rank // ep``).
+
 ``model_optim_rng.pt`` holds ``iteration``, ``consumed_samples`` (the data iterator's position: the
 samplers are deterministic in it), ``config`` (the args), ``model`` (one state dict per virtual stage,
 full tensors also at ZeRO-3), ``optimizer`` (this rank's ZeRO shard, or the whole replicated state
@@ -40,6 +44,7 @@ from megatron_like.training.resume import resume_notice
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 RESHARD_HINT = "convert it with tools/checkpoint_reshard.py"
+MISSING_HINT = f"saved with another --tensor/--pipeline/--expert-model-parallel-size? {RESHARD_HINT}"
 
 FaultHook = Callable[[str], None]
 fault_hook: FaultHook | None = None
@@ -57,8 +62,16 @@ def _fault(point: str) -> None:
 
 
 def checkpoint_dir(root: str, iteration: int, ps: ParallelState) -> str:
-    """``<root>/iter_XXXXXXX/mp_rank_TT_PPP``: the directory of this rank's (tp, pp) position."""
-    return os.path.join(root, f"iter_{iteration:07d}", f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")
+    """``<root>/iter_XXXXXXX/mp_rank_TT_PPP``: the directory of this rank's (tp, pp) position, ``..._EEE``
+    with the ep rank under expert parallelism (Megatron-LM's names)."""
+    name = f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}" + (f"_{ps.ep_rank:03d}" if ps.ep_size > 1 else "")
+    return os.path.join(root, f"iter_{iteration:07d}", name)
+
+
+def replica_rank(ps: ParallelState) -> int:
+    """This rank's index among the ranks holding the same model files: the dp rank, or under expert
+    parallelism the expert-dp rank (``dp_rank // ep``; equal to the dp rank at ep 1)."""
+    return ps.expert_dp_rank
 
 
 def rank_file(directory: str, dp_rank: int) -> str:
@@ -149,11 +162,12 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
     os.makedirs(path, exist_ok=True)
     save_optim = optimizer is not None and config.checkpoint.save_optim
     state: dict[str, Any] = {"iteration": iteration, "rng": rng_state()}
-    if save_optim and (ps.dp_rank == 0 or optimizer_is_sharded(optimizer)):
+    replica = replica_rank(ps)
+    if save_optim and (replica == 0 or optimizer_is_sharded(optimizer)):
         state["optimizer"] = optimizer.state_dict()
-    elif ps.dp_rank == 0:
+    elif replica == 0:
         state["optimizer"] = None
-    if ps.dp_rank == 0:
+    if replica == 0:
         state.update(
             consumed_samples=consumed_samples,
             config=config.to_dict(),
@@ -161,7 +175,7 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             dp_size=ps.dp_size,
         )
-    write_atomically(rank_file(path, ps.dp_rank), lambda f: torch.save(state, f))
+    write_atomically(rank_file(path, replica), lambda f: torch.save(state, f))
     comm.barrier()
     if ps.rank == 0:
         write_tracker(root, iteration)
@@ -223,11 +237,12 @@ def check_compatible(saved: dict, config: Config, path: str) -> None:
     """Refuse a checkpoint whose model shape or parallel layout differs from this run's flags."""
     check_same_model(saved, config, path)
     saved_parallel = saved["config"]["parallel"]
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if saved_parallel.get(name) != getattr(config.parallel, name):
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        saved_value = saved_parallel.get(name, 1)  # checkpoints from before expert parallelism: ep 1
+        if saved_value != getattr(config.parallel, name):
             flag = "--" + name.replace("_", "-")
             raise CheckpointError(
-                f"checkpoint {path} was saved with {flag} {saved_parallel.get(name)}, this run uses "
+                f"checkpoint {path} was saved with {flag} {saved_value}, this run uses "
                 f"{getattr(config.parallel, name)}; {RESHARD_HINT}"
             )
     if saved_parallel.get("num_layers_per_virtual_pipeline_stage") != \
@@ -277,8 +292,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint file {path} is missing (saved with another --tensor/--pipeline-"
-                              f"model-parallel-size? {RESHARD_HINT})")
+        raise CheckpointError(f"checkpoint file {path} is missing ({MISSING_HINT})")
     # Load to host memory, as Megatron does: load_state_dict copies weights to their device and casts
     # optimizer moments to their parameter's, while step counters and RNG states stay on the CPU where
     # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
@@ -292,8 +306,8 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     if notice and ps.rank == 0:
         print(notice, flush=True)
     own = state
-    if ps.dp_rank > 0:
-        own_path = rank_file(directory, ps.dp_rank)
+    if replica_rank(ps) > 0:
+        own_path = rank_file(directory, replica_rank(ps))
         if os.path.exists(own_path):
             own = _read(own_path)
         elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:

@@ -17,10 +17,12 @@ Keys written through torch.distributed.checkpoint (DCP):
   by tp rank 0 and dp rank 0 of the stage holding it, as the torch format keeps dp rank 0's;
 * ``rng.tp<T>.pp<P>.dp<D>``: the generators of the rank at those coordinates (bytes).
 
-Each rank writes only elements it owns (its ZeRO shard, tp rank 0 for tp-replicated tensors, dp rank 0
-without ZeRO: ``megatron_like/model/sharded_state.py``), and reads the elements its own layout needs. RNG
-states belong to one rank of one layout: they are restored when tp, pp and dp sizes are the saved ones,
-and otherwise the run keeps its generators seeded from --seed.
+MoE expert weights (and their optimizer state) are global tensors over all experts, ``[E, ...]``, whatever
+the expert-parallel size. Each rank writes only elements it owns (its ZeRO shard, tp rank 0 for
+tp-replicated tensors, dp rank 0 without ZeRO, expert-dp rank 0 for its experts:
+``megatron_like/model/sharded_state.py``), and reads the elements its own layout needs. RNG states belong
+to one rank of one layout: they are restored when tp, pp, dp and ep sizes are the saved ones, and
+otherwise the run keeps its generators seeded from --seed.
 
 DCP runs its own collectives (gathering the rank plans, a barrier at the end) on the default process
 group, so its ``save`` and ``load`` are called here rather than through ``megatron_like/collectives.py``.
@@ -86,6 +88,11 @@ iteration_dir, is_dist_checkpoint = ckpt.iteration_dir, ckpt.is_dist_checkpoint
 
 def _rng_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
     return f"rng.tp{tp_rank}.pp{pp_rank}.dp{dp_rank}"
+
+
+def _layout(tp: int, pp: int, dp: int, ep: int) -> dict[str, int]:
+    """``common.pt``'s ``layout``: RNG states are restored only at the same one."""
+    return {"tp": tp, "pp": pp, "dp": dp, "ep": ep}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -250,7 +257,7 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         "optimizer": {"step": optimizer_step(optimizer),
                       "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
         if save_optim else None,
-        "layout": {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size},
+        "layout": _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size),
     }
 
     def write(group: comm.Group) -> None:
@@ -341,8 +348,8 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
                                                 with_moments)
         for key, entry in pieces.items():
             (second_read if key in state else state)[key] = entry
-    layout = common.get("layout", {})
-    same_layout = layout == {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size}
+    layout = {"ep": 1, **common.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
+    same_layout = layout == _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size)
     rng_key = _rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)
     load_rng = config.checkpoint.load_rng and not weights_only and same_layout and rng_key in metadata
     if load_rng:
@@ -369,7 +376,8 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     if load_rng:
         ckpt.set_rng_state(state[rng_key])
     elif config.checkpoint.load_rng and ps.rank == 0 and not same_layout:
-        print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')}: "
+        print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')} "
+              f"(ep {layout['ep']}): "
               "its RNG states belong to that layout; the generators stay seeded from --seed", flush=True)
     return common["iteration"], common["consumed_samples"]
 
@@ -388,8 +396,8 @@ def save_full_state(root: str, iteration: int, config: Config, full: dict[str, t
     p = config.parallel
     dp = config.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     common = {"iteration": iteration, "consumed_samples": 0, "config": config.to_dict(), "scheduler": None,
-              "optimizer": None, "layout": {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                                            "dp": dp}}
+              "optimizer": None, "layout": _layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, dp,
+                                                   p.expert_model_parallel_size)}
     common.update(extra or {})
     ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
     ckpt.write_tracker(root, iteration)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+import torch
+
 from megatron_like import collectives as comm
 from megatron_like.training.checkpointing import write_tracker
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
@@ -78,3 +81,110 @@ def test_async_save_writes_the_state_of_its_iteration_and_resumes_bitwise(tmp_pa
     for r in run_distributed(async_save_then_resume, 2, str(tmp_path)):
         assert r["finished_at"] == 6
         assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]
+
+
+# ------------------------------------------------------------------ mixture of experts at ep > 1
+# docs/moe.md: the tiny Mixtral-like model of test_moe_parallel.py (layers 0, 1, 3 MoE, 4 experts, shared expert).
+MOE_FLAGS = ["--train-iters", "4", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--save-interval", "2"]
+# Saved without ZeRO: expert-data-parallel rank 0 of each ep rank writes its experts (dp rank 0 holds only half).
+MOE_SAVING = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+              "--moe-token-dispatcher-type", "alltoall"]
+MOE_LOADING = {  # expert weights and Adam state re-cut over 4, 2 and 1 expert-parallel ranks, tp 2 -> 1 (and pp 2)
+    "ep4-zero3": ["--expert-model-parallel-size", "4", "--zero-stage", "3", "--moe-token-dispatcher-type", "alltoall"],
+    "ep1-pp2-zero2": ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+}
+# The torch format (a file per rank) at ep 2 inside dp 4 with ZeRO-3: two ranks hold each expert's shards.
+MOE_TORCH_SAVING = ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def moe_checkpoints(rank: int, world_size: int, root: str) -> dict:
+    """One spawn for every MoE checkpoint check: torch_dist at another ep layout and at the same one, then
+    the torch format at the same ep layout (bitwise) and at another (a one-line error)."""
+    from megatron_like.training.checkpointing import CheckpointError
+    from tests.distributed.test_moe_parallel import MOE
+
+    out: dict = {}
+
+    def train(name: str, flags: list[str], directory: str) -> None:
+        out[name] = train_gpt(rank, world_size, MOE + MOE_FLAGS + flags)
+        comm.barrier()
+        if rank == 0 and os.path.exists(os.path.join(directory, "latest_checkpointed_iteration.txt")):
+            write_tracker(directory, 2)  # the straight run also saved iteration 4: resume from 2
+        comm.barrier()
+
+    dist_dir, torch_dir, sharded_dir = (os.path.join(root, name) for name in ("torch_dist", "torch", "sharded"))
+    train("straight", MOE_SAVING + ["--save", dist_dir], dist_dir)
+    for name, flags in MOE_LOADING.items():
+        train(name, flags + ["--load", dist_dir], dist_dir)
+    train("same_layout", MOE_SAVING + ["--load", dist_dir], dist_dir)
+    train("torch_straight", MOE_TORCH_SAVING + ["--ckpt-format", "torch", "--save", torch_dir], torch_dir)
+    # Loads the torch format (either format loads) and saves iteration 4 as torch_dist from ZeRO-3 shards
+    # cut over the expert-data-parallel group.
+    train("torch_same_layout", MOE_TORCH_SAVING + ["--load", torch_dir, "--save", sharded_dir], sharded_dir)
+    try:
+        train_gpt(rank, world_size, MOE + MOE_FLAGS + MOE_LOADING["ep4-zero3"] + ["--load", torch_dir])
+        out["torch_other_layout"] = None
+    except CheckpointError as error:
+        out["torch_other_layout"] = str(error)
+    iteration = os.path.join(torch_dir, "iter_0000002")
+    out["torch_files"] = sorted(f"{d}/{f}" for d in os.listdir(iteration) for f in os.listdir(f"{iteration}/{d}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> dict:
+    root = str(tmp_path_factory.mktemp("moe"))
+    results = run_distributed(moe_checkpoints, 4, root, timeout=900)
+    names = ["straight", *MOE_LOADING, "same_layout", "torch_straight", "torch_same_layout"]
+    merged = {name: merge_ranks([r[name] for r in results]) for name in names}
+    merged["torch_other_layout"] = [r["torch_other_layout"] for r in results]
+    merged["torch_files"] = results[0]["torch_files"]
+    merged["dirs"] = {"straight": os.path.join(root, "torch_dist"), "torch_same_layout": os.path.join(root, "sharded")}
+    return merged
+
+
+def continued_part(straight: dict) -> dict:
+    """The straight run's iterations 3-4 (the ones a run resumed from iteration 2 logs)."""
+    return dict(straight, losses=straight["losses"][2:], grad_norms=straight["grad_norms"][2:],
+                moe_losses=straight["moe_losses"][2:])
+
+
+@pytest.mark.parametrize("loading", list(MOE_LOADING))
+def test_moe_torch_dist_checkpoint_continues_at_another_expert_layout(moe_runs, loading: str) -> None:
+    from tests.distributed.test_moe_parallel import assert_same_router_losses
+
+    straight, resumed = continued_part(moe_runs["straight"]), moe_runs[loading]
+    assert len(resumed["losses"]) == 2
+    assert_same_training(straight, resumed)
+    assert_same_router_losses(straight, resumed, steps=2)
+
+
+def test_moe_checkpoints_resume_bitwise_at_the_same_expert_layout(moe_runs) -> None:
+    for fmt in ("", "torch_"):
+        straight, resumed = moe_runs[fmt + "straight"], moe_runs[fmt + "same_layout"]
+        assert resumed["losses"] == straight["losses"][2:], fmt or "torch_dist"
+        assert resumed["grad_norms"] == straight["grad_norms"][2:]
+        assert resumed["moe_losses"] == straight["moe_losses"][2:]
+        assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items())
+    # Megatron-LM's legacy names: one directory per (tp, pp, ep) rank, a file per expert-data-parallel rank.
+    assert moe_runs["torch_files"] == [f"mp_rank_00_000_00{e}/{f}" for e in (0, 1)
+                                       for f in ("model_optim_rng.pt", "optim_rng_dp_001.pt")]
+
+
+def test_moe_torch_dist_checkpoint_holds_every_expert_once_at_its_global_place(moe_runs) -> None:
+    """The global tensors saved at iteration 4 (ep2 x tp2 without ZeRO; ep2 in dp4 from ZeRO-3 shards) are the
+    run's whole weights, [experts, ...] included."""
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+
+    for run, directory in moe_runs["dirs"].items():
+        params = moe_runs[run]["params"]
+        saved = read_full_tensors(directory, ["model." + k for k in params], iteration=4)
+        assert saved["model.layers.0.mlp.experts.weight1"].shape == (4, 64, 64)
+        for name, tensor in params.items():
+            torch.testing.assert_close(saved["model." + name], tensor, rtol=0, atol=0, msg=f"{run}: {name}")
+
+
+def test_moe_torch_format_at_another_expert_layout_is_a_one_line_error(moe_runs) -> None:
+    for message in moe_runs["torch_other_layout"]:
+        assert message is not None and "\n" not in message
+        assert "--expert-model-parallel-size 2, this run uses 4" in message and "checkpoint_reshard.py" in message

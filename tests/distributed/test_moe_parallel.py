@@ -63,8 +63,8 @@ def runs() -> dict[str, dict]:
     return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(names)}
 
 
-def assert_same_router_losses(reference: dict, run: dict) -> None:
-    assert [sorted(step) for step in run["moe_losses"]] == [["load_balancing_loss", "z_loss"]] * 3
+def assert_same_router_losses(reference: dict, run: dict, steps: int = 3) -> None:
+    assert [sorted(step) for step in run["moe_losses"]] == [["load_balancing_loss", "z_loss"]] * steps
     for name in ("load_balancing_loss", "z_loss"):
         torch.testing.assert_close(torch.tensor([step[name] for step in run["moe_losses"]]),
                                    torch.tensor([step[name] for step in reference["moe_losses"]]), rtol=1e-5, atol=0)
@@ -98,7 +98,6 @@ def test_moe_reference_learns_and_drops_tokens() -> None:
     (ep(2), "--expert-model-parallel-size 2 needs --num-experts"),
     (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "must equal --tensor-model-parallel-size 1"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
-    (ep(2) + ["--num-experts", "4", "--save", "/tmp/x"], "--save/--load with --expert-model-parallel-size > 1"),
 ])
 def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str) -> None:
     base = ["--num-layers", "4", "--disable-bias-linear", "--mock-data", "--vocab-size", "64"]
