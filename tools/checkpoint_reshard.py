@@ -18,7 +18,9 @@ layout (docs/checkpoints.md):
 Each pass runs its tp x pp x dp processes under torchrun on this machine (CPU, gloo). Carried over:
 weights, QAT ranges, fp32 masters, Adam moments and step (also of a CPU-offload optimizer), the loss
 scaler, the lr schedule, iteration and consumed samples. RNG states only when the layout stays (DCP
-restores them at the saved tp, pp and dp); otherwise the resumed run keeps generators seeded from --seed.
+restores them at the saved tp, pp, dp and ep); otherwise the resumed run keeps generators seeded from --seed.
+MoE checkpoints change their expert-parallel size with ``--target-expert-model-parallel-size`` (the experts are
+split over ep ranks inside the target's data parallelism, so ep divides ``--target-data-parallel-size``).
 ``--no-optimizer`` drops the optimizer state (Adam restarts, as with ``--no-load-optim``).
 """
 
@@ -38,7 +40,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_like.config import Config, ConfigError  # noqa: E402
-from megatron_like.model.state import read_saved_config  # noqa: E402
+from megatron_like.model.state import first_shard_dir, read_saved_config  # noqa: E402
 from megatron_like.training.checkpointing import (  # noqa: E402
     CheckpointError,
     is_dist_checkpoint,
@@ -51,11 +53,13 @@ TMP_DIR = "torch_dist_tmp"
 
 
 def layout_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: int, zero_stage: int,
-                  offload: bool) -> Config:
-    """The saved config at another layout (validated: heads, layers and sizes must split)."""
+                  offload: bool, ep: int | None = None) -> Config:
+    """The saved config at another layout (validated: heads, layers and sizes must split). ``ep``: the MoE
+    expert-parallel size (default: the saved one), which must divide ``dp``."""
     config = copy.deepcopy(saved)
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
+    p.expert_model_parallel_size = p.expert_model_parallel_size if ep is None else ep
     p.num_layers_per_virtual_pipeline_stage = vp_layers
     if tp == 1:
         p.sequence_parallel = False
@@ -78,8 +82,7 @@ def saved_layout(load: str, iteration: int) -> tuple[Config, int]:
     if is_dist_checkpoint(load, iteration):
         common = read_checkpoint_file(os.path.join(iteration_dir(load, iteration), "common.pt"))
         return saved, common.get("layout", {}).get("dp", 1)
-    first = read_checkpoint_file(rank_file(os.path.join(iteration_dir(load, iteration), "mp_rank_00_000"), 0),
-                                 mmap=True)
+    first = read_checkpoint_file(rank_file(first_shard_dir(iteration_dir(load, iteration)), 0), mmap=True)
     return saved, first.get("dp_size", 1)
 
 
@@ -111,7 +114,7 @@ def saved_rows(load: str, iteration: int) -> int:
     import torch
 
     saved = read_saved_config(load, iteration)
-    first = torch.load(os.path.join(path, "mp_rank_00_000", "model_optim_rng.pt"), weights_only=True,
+    first = torch.load(os.path.join(first_shard_dir(path), "model_optim_rng.pt"), weights_only=True,
                        map_location="cpu", mmap=True)
     return first["model"][0]["embedding.word_embeddings.weight"].shape[0] * saved.parallel.tensor_model_parallel_size
 
@@ -204,7 +207,7 @@ def reshard(args: argparse.Namespace) -> str:
         args.target_pipeline_model_parallel_size or p.pipeline_model_parallel_size,
         args.target_num_layers_per_virtual_pipeline_stage, args.target_data_parallel_size or saved_dp,
         p.zero_stage if args.target_zero_stage is None else args.target_zero_stage,
-        args.target_optimizer_cpu_offload)
+        args.target_optimizer_cpu_offload, args.target_expert_model_parallel_size)
     padded = padded_vocab(target, args.load, iteration, args.vocab_size)
     load = args.load
     if not from_dist:  # torch -> torch_dist at the saved layout, then on
@@ -228,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target-pipeline-model-parallel-size", type=int, default=None,
                         help="default: the source's")
     parser.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    parser.add_argument("--target-expert-model-parallel-size", type=int, default=None,
+                        help="MoE: experts split over this many ranks inside data parallelism (default: the source's)")
     parser.add_argument("--target-data-parallel-size", type=int, default=None,
                         help="data-parallel size the optimizer state is laid out for (default: the source's)")
     parser.add_argument("--target-zero-stage", type=int, default=None, choices=[0, 1, 2, 3],

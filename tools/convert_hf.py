@@ -1,4 +1,4 @@
-"""Convert between our checkpoints (any tp/pp layout) and Hugging Face ``GPT2LMHeadModel``,
+"""Convert between our checkpoints (any tp/pp/ep layout) and Hugging Face ``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``MixtralForCausalLM`` directories.
 
     python tools/convert_hf.py to-hf --load checkpoints/gpt --save hf/gpt
@@ -8,8 +8,9 @@
 The family follows the model: a GPT-2-style checkpoint (learned positions, LayerNorm, GELU, biases) becomes a
 ``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
 ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, a ``MixtralForCausalLM`` with ``--num-experts``. ``from-hf`` reads
-``model_type`` (gpt2, llama, mistral, qwen2, mixtral). Mixture-of-experts checkpoints are written at expert
-parallelism 1 (checkpoints at ``--expert-model-parallel-size > 1`` do not exist yet, docs/moe.md).
+``model_type`` (gpt2, llama, mistral, qwen2, mixtral). A Mixtral checkpoint holds each layer's experts as one
+global ``[E, ...]`` tensor, which loads at any ``--expert-model-parallel-size`` (docs/moe.md); the flag here
+records the layout in the saved arguments like the other layout flags.
 
 ``to-hf`` reads a checkpoint of either format and any layout as full weights, trims the padded vocabulary
 to the real one (the tokenizer's, or ``--vocab-size`` of a mock-data run) and writes ``config.json``,
@@ -108,8 +109,10 @@ def from_hf(args: argparse.Namespace) -> None:
     p.tensor_model_parallel_size = args.tensor_model_parallel_size
     p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
     p.num_layers_per_virtual_pipeline_stage = args.num_layers_per_virtual_pipeline_stage
+    p.expert_model_parallel_size = args.expert_model_parallel_size
     config.model.make_vocab_size_divisible_by = args.make_vocab_size_divisible_by
-    config.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    # The smallest world of this layout: the expert-parallel ranks live inside data parallelism.
+    config.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size
     config.data.mock_data = True  # validates without --data-path; the tokenizer below is recorded too
     tokenizer_dir = os.path.join(os.path.abspath(args.save), "tokenizer")
     if all(os.path.isfile(os.path.join(args.load, f)) for f in ("vocab.json", "merges.txt")):
@@ -140,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 / Mixtral directory")
-    a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp layout).")
+    a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp/ep layout).")
     a.add_argument("--save", required=True, help="Output Hugging Face directory.")
     a.add_argument("--iteration", type=int, help="Iteration to convert (default: the latest).")
     a.add_argument("--vocab-size", type=int, help="Real vocabulary size (default: the tokenizer's or config's).")
@@ -151,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     b.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    b.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="Mixtral: the expert-parallel size recorded in the saved arguments (the experts load at any)")
     b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     return parser
 

@@ -39,20 +39,21 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tup
 
 
 def setup(config: Config, data_parallel: bool = False) -> ParallelState:
-    """Start the process groups of a tp x pp layout: one model replica, or with ``data_parallel`` (the
-    evaluation, which splits its batches) as many replicas as the world holds."""
+    """Start the process groups of a tp x pp (x ep) layout: one model replica, or with ``data_parallel`` (the
+    evaluation, which splits its batches) as many replicas as the world holds.
+
+    A model whose experts are split over ``--expert-model-parallel-size`` ep ranks spans tp x pp x ep
+    processes: the ep ranks hold different experts and replicate the rest (docs/moe.md)."""
     p = config.parallel
-    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    if data_parallel and config.world_size % (tp * pp):
-        raise ConfigError(
-            f"the world size {config.world_size} is not a multiple of --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp} (one model replica)"
-        )
-    if not data_parallel and config.world_size != tp * pp:
-        raise ConfigError(
-            f"this tool runs one model replica: launch --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp} = {tp * pp} processes, not {config.world_size}"
-        )
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}" + (
+        f" x --expert-model-parallel-size {ep}" if ep > 1 else "")
+    if data_parallel and config.world_size % (tp * pp * ep):
+        raise ConfigError(f"the world size {config.world_size} is not a multiple of {sizes} = {tp * pp * ep} "
+                          "(one model replica)")
+    if not data_parallel and config.world_size != tp * pp * ep:
+        raise ConfigError(f"this tool runs one model replica: launch {sizes} = {tp * pp * ep} processes, "
+                          f"not {config.world_size}")
     return ParallelState.initialize(p, config.world_size)
 
 

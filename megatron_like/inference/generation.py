@@ -2,7 +2,8 @@
 
 Works on the GPT chunk(s) of this rank under any tensor/pipeline layout: every rank of the model runs
 the same loop; the last pipeline stage gathers the vocabulary-parallel logits of the *last position
-only* over tp and broadcasts them over pp, so every rank takes identical decisions.
+only* over tp and broadcasts them over pp (and, for an MoE model split over ep ranks, over ep), so every rank
+takes identical decisions.
 
 Batches of prompts of different lengths are left padded (the KV cache masks the padding and each row's
 positions start at 0 at its first real token), so the next token of every row is at the same column.
@@ -147,6 +148,8 @@ class ModelRunner:
             logits = torch.empty(b, self.vocab_size, dtype=torch.float32, device=ps.device)
         if ps.pp_size > 1:
             comm.broadcast(logits, ps.pp_global_ranks[-1], ps.pp_group)
+        if ps.ep_size > 1:  # MoE: the ep ranks replicate all but the experts; one set of logits, whatever the noise
+            comm.broadcast(logits, ps.rank_of(ps.tp_rank, ps.dp_rank - ps.ep_rank, ps.pp_rank), ps.ep_group)
         return logits
 
 
@@ -229,7 +232,9 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 
 def _shared_random_seed(ps) -> int:
     """A fresh seed, the same on every rank of the model (all must sample identically)."""
     seed = torch.tensor([torch.seed() % 2**62], dtype=torch.long, device=ps.device)  # NCCL: device tensors only
-    if ps.model_parallel_group is not None:
+    if ps.ep_size > 1:  # the model's experts span its ep ranks, which run the same tokens (loading.py): all ranks
+        comm.broadcast(seed, 0, comm.world_group())
+    elif ps.model_parallel_group is not None:
         comm.broadcast(seed, ps.rank_of(0, ps.dp_rank, 0), ps.model_parallel_group)
     return int(seed)
 

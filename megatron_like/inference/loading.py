@@ -1,8 +1,11 @@
-"""Load a checkpoint of any (tp, pp) layout into the model chunk of this rank in the current layout.
+"""Load a checkpoint of any (tp, pp, ep) layout into the model chunk of this rank in the current layout.
 
 Every rank reads the shards it needs through ``megatron_like.model.state`` (merge its pipeline stage's
 layers to full weights, cut this rank's slices), so a checkpoint trained at tp=2 x pp=2 generates at
-tp=2 x pp=1 or in one process. The tokenizer comes from the flags or, by default, from the checkpoint's saved config.
+tp=2 x pp=1 or in one process. An MoE model at ``--expert-model-parallel-size`` ep > 1 holds ``E / ep``
+experts per rank: the ep ranks are replicas of everything else that run the same tokens in lockstep, and
+the token dispatcher brings each token to the rank of its expert (docs/moe.md). The tokenizer comes from the
+flags or, by default, from the checkpoint's saved config.
 """
 
 from __future__ import annotations
@@ -69,11 +72,15 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
             f"the checkpoint's {m.num_attention_heads} heads / {m.num_layers} layers do not split over "
             f"--tensor-model-parallel-size {ps.tp_size} / --pipeline-model-parallel-size {ps.pp_size}"
         )
+    if ps.ep_size > 1 and (m.num_experts or 1) % ps.ep_size:
+        raise ValueError(f"the checkpoint's {m.num_experts or 'no'} experts do not split over "
+                         f"--expert-model-parallel-size {ps.ep_size}")
     layers = chunk_layers(m.num_layers, ps.pp_size, ps.pp_rank)
     _, full = load_full_state(load_dir, iteration, layers=layers)  # this stage's layers, not the whole model
     config = copy.deepcopy(saved)
     config.parallel.tensor_model_parallel_size = ps.tp_size
     config.parallel.pipeline_model_parallel_size = ps.pp_size
+    config.parallel.expert_model_parallel_size = ps.ep_size
     config.parallel.num_layers_per_virtual_pipeline_stage = None
     config.parallel.sequence_parallel = False
     config.world_size = ps.world_size

@@ -9,10 +9,14 @@ edit here. Training checkpoints change layout through torch.distributed.checkpoi
 (``--ckpt-format torch_dist``, tools/checkpoint_reshard.py).
 
 Checkpoint layouts read here (docs/checkpoints.md): torch_dist checkpoints hold full tensors already; the
-torch format (docs/design.md §5)::
+torch format::
 
     <root>/latest_checkpointed_iteration.txt
     <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   {"config": ..., "model": [chunk states]}
+    <root>/iter_0000100/mp_rank_{tp:02d}_{pp:03d}_{ep:03d}/...        the same, under expert parallelism
+
+MoE expert weights (``expert_parallel``) are ``[E / ep, ...]`` on each expert-parallel rank: merged along
+dim 0 in ep-rank order, and cut the same way for a model built at ``ep`` > 1 (docs/moe.md).
 """
 
 from __future__ import annotations
@@ -50,24 +54,41 @@ def _pattern(name: str) -> str:
 
 
 @functools.cache
-def partition_rules() -> dict[str, int | None]:
-    """Return ``{name pattern: partition dim or None (replicated)}`` of every GPT parameter.
-
-    Read from the attributes of tiny single-process models with an untied output layer (a dense one and a
-    mixture-of-experts one with a shared expert), so the rules follow the model code; layer indices in the
-    patterns are ``*``.
-    """
+def _tiny_models() -> tuple[GPTModel, ...]:
+    """Tiny single-process models with every kind of parameter: a dense one and a mixture-of-experts one with a
+    shared expert, both with an untied output layer."""
     dense = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
                         untie_embeddings_and_output_weights=True)
     moe = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
                       untie_embeddings_and_output_weights=True, num_experts=2, moe_router_topk=1,
                       moe_shared_expert_intermediate_size=8)
+    return tuple(GPTModel(tiny, ParallelState.single_process(torch.device("cpu")), vocab_size=8, seed=0)
+                 for tiny in (dense, moe))
+
+
+@functools.cache
+def partition_rules() -> dict[str, int | None]:
+    """Return ``{name pattern: partition dim or None (replicated)}`` of every GPT parameter.
+
+    Read from the attributes of tiny single-process models, so the rules follow the model code; layer indices
+    in the patterns are ``*``.
+    """
     rules = {}
-    for tiny in (dense, moe):
-        model = GPTModel(tiny, ParallelState.single_process(torch.device("cpu")), vocab_size=8, seed=0)
+    for model in _tiny_models():
         rules.update({_pattern(name): (p.partition_dim if getattr(p, "tensor_model_parallel", False) else None)
                       for name, p in model.named_parameters()})
     return rules
+
+
+@functools.cache
+def _expert_patterns() -> frozenset[str]:
+    return frozenset(_pattern(name) for model in _tiny_models() for name, p in model.named_parameters()
+                     if getattr(p, "expert_parallel", False))
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter ``name`` holds experts along dim 0 (``[E, ...]``), split over expert parallelism."""
+    return _pattern(name) in _expert_patterns()
 
 
 def partition_dim(name: str) -> int | None:
@@ -115,6 +136,22 @@ def merge_tp(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
     return merged
 
 
+def merge_ep(shards: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One chunk's state from those of all ep ranks (in ep-rank order): experts concatenated along dim 0,
+    everything else (replicated over ep) from the first."""
+    return {name: torch.cat([s[name] for s in shards]) if is_expert(name) else first
+            for name, first in shards[0].items()}
+
+
+def split_ep(tensor: torch.Tensor, name: str, ep_size: int, ep_rank: int) -> torch.Tensor:
+    """Ep rank ``ep_rank``'s experts of the full parameter ``name`` (the whole tensor for a non-expert one)."""
+    if not is_expert(name) or ep_size == 1:
+        return tensor
+    if tensor.shape[0] % ep_size:
+        raise ValueError(f"{name}: {tensor.shape[0]} experts do not split over --expert-model-parallel-size {ep_size}")
+    return tensor.chunk(ep_size)[ep_rank]
+
+
 def split_tp(tensor: torch.Tensor, name: str, tp_size: int, tp_rank: int) -> torch.Tensor:
     """Tp rank ``tp_rank``'s part of the full parameter ``name``."""
     dim = _dim_or_replicated(name)
@@ -135,8 +172,9 @@ def resize_vocab(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: range, pre_process: bool,
-                post_process: bool, tp_size: int, tp_rank: int, padded_vocab_size: int) -> dict[str, torch.Tensor]:
-    """The state dict of one GPT chunk (local layer names, this tp rank's slices) cut from a full state.
+                post_process: bool, tp_size: int, tp_rank: int, padded_vocab_size: int, ep_size: int = 1,
+                ep_rank: int = 0) -> dict[str, torch.Tensor]:
+    """The state dict of one GPT chunk (local layer names, this tp and ep rank's slices) cut from a full state.
 
     A last chunk without the embedding gets ``output_layer.weight`` = the word embedding when tied.
     """
@@ -161,7 +199,7 @@ def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: r
             raise KeyError(f"unexpected parameter {name!r} in the full state")
         if name in VOCAB_PARAMS:
             tensor = resize_vocab(tensor, padded_vocab_size)
-        out[local] = split_tp(tensor, name, tp_size, tp_rank)
+        out[local] = split_tp(split_ep(tensor, name, ep_size, ep_rank), name, tp_size, tp_rank)
     tied = not config.untie_embeddings_and_output_weights
     if post_process and tied and not pre_process:
         word = resize_vocab(full[VOCAB_PARAMS[0]], padded_vocab_size)
@@ -204,12 +242,19 @@ def is_torch_dist(it_dir: str) -> bool:
     return os.path.exists(os.path.join(it_dir, ".metadata"))
 
 
+def first_shard_dir(it_dir: str) -> str:
+    """The torch format's ``mp_rank_00_000`` directory of iteration directory ``it_dir`` (``mp_rank_00_000_000``
+    when saved at --expert-model-parallel-size > 1): it holds the saved config."""
+    first = os.path.join(it_dir, "mp_rank_00_000")
+    return first + "_000" if not os.path.isdir(first) and os.path.isdir(first + "_000") else first
+
+
 def read_saved_config(root: str, iteration: int | None = None) -> Config:
     """The Config a checkpoint was saved with (from its first shard, or torch_dist's ``common.pt``)."""
     it_dir = checkpoint_iteration_dir(root, iteration)
     if is_torch_dist(it_dir):
         return Config.from_dict(_load(os.path.join(it_dir, "common.pt"))["config"])
-    path = os.path.join(it_dir, "mp_rank_00_000", CHECKPOINT_FILE)
+    path = os.path.join(first_shard_dir(it_dir), CHECKPOINT_FILE)
     if not os.path.exists(path):
         raise CheckpointLoadError(f"checkpoint file {path} is missing")
     return Config.from_dict(_load(path)["config"])
@@ -231,14 +276,20 @@ def load_full_state(root: str, iteration: int | None = None,
         return config, _load_torch_dist_state(it_dir, layers)
     p, m = config.parallel, config.model
     tp, pp, vp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, config.virtual_pipeline_size
+    ep = p.expert_model_parallel_size
     full: dict[str, torch.Tensor] = {}
     for pp_rank in range(pp):
         shards = []
         for tp_rank in range(tp):
-            path = os.path.join(it_dir, f"mp_rank_{tp_rank:02d}_{pp_rank:03d}", CHECKPOINT_FILE)
-            if not os.path.exists(path):
-                raise CheckpointLoadError(f"checkpoint file {path} is missing (saved with tp {tp}, pp {pp})")
-            shards.append(_load(path)["model"])
+            ep_chunks = []
+            for ep_rank in range(ep):
+                name = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
+                path = os.path.join(it_dir, name, CHECKPOINT_FILE)
+                if not os.path.exists(path):
+                    raise CheckpointLoadError(f"checkpoint file {path} is missing (saved with tp {tp}, pp {pp}, "
+                                              f"ep {ep})")
+                ep_chunks.append(_load(path)["model"])
+            shards.append([merge_ep([chunks[v] for chunks in ep_chunks]) for v in range(vp)])
         for v in range(vp):
             named = [to_global_names(chunks[v], chunk_layers(m.num_layers, pp, pp_rank, vp, v)) for chunks in shards]
             if layers is not None:
@@ -268,7 +319,7 @@ def load_into_model(model: Sequence[GPTModel], full: dict[str, torch.Tensor]) ->
         layers = range(chunk.layers[0].layer, chunk.layers[-1].layer + 1) if len(chunk.layers) else range(0)
         state = chunk_state(full, chunk.config, layers=layers, pre_process=chunk.pre_process,
                             post_process=chunk.post_process, tp_size=ps.tp_size, tp_rank=ps.tp_rank,
-                            padded_vocab_size=chunk.vocab_size)
+                            padded_vocab_size=chunk.vocab_size, ep_size=ps.ep_size, ep_rank=ps.ep_rank)
         own = chunk.state_dict()
         missing = sorted(set(own) - set(state))
         if missing:

@@ -4,6 +4,7 @@ search on a left-padded batch, from one checkpoint loaded into each layout."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -78,3 +79,74 @@ def test_parallel_generation_equals_single_process(request, tp, pp, llama):
         assert rank_result == results[0]
         assert {k: v for k, v in rank_result.items() if k != "unseeded"} == \
             {k: v for k, v in reference.items() if k != "unseeded"}
+
+
+# ------------------------------------------------------------------ Mixtral with its experts split over ep ranks
+MIXTRAL_PROMPTS = [[3, 14, 15, 92, 65], [35, 89], [7, 7, 7]]
+
+
+def mixtral_ep_worker(rank: int, world_size: int, converted: str, torch_ep2: str) -> dict:
+    """ep2 x tp2: re-save the converted Mixtral in the torch format at ep2 (tools/checkpoint_reshard.py's pass: a
+    file per (tp, ep) rank, each with its 2 of the 4 experts), load that into the same layout, and generate."""
+    import sys
+
+    from megatron_like import collectives as comm
+    from megatron_like.model.state import read_saved_config
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    import checkpoint_reshard as reshard
+
+    torch.set_num_threads(1)
+    saved = read_saved_config(converted)
+    target = reshard.layout_config(saved, 2, 1, None, 2, 0, False, ep=2)
+    reshard.convert(target, converted, torch_ep2, "torch", target.padded_vocab_size(saved.model.vocab_size),
+                    with_optimizer=False)
+    ps = ParallelState.initialize(ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2), 4)
+    loaded = load_inference_model(torch_ep2, ps)
+    assert loaded.config.parallel.expert_model_parallel_size == 2
+    assert loaded.model[0].layers[0].mlp.experts.weight1.shape[0] == 2  # this rank's half of the experts
+    with torch.no_grad():
+        ids = torch.tensor([MIXTRAL_PROMPTS[0]])
+        logits = comm.all_gather_along_dim(loaded.model[0](ids, None), ps.tp_group, dim=-1)[..., :loaded.vocab_size]
+    runs = {"greedy": GenerationParams(max_new_tokens=12),
+            "unseeded": GenerationParams(max_new_tokens=8, do_sample=True)}  # the ep ranks must agree on a seed
+    tokens = {name: [[g.token_ids for g in seqs] for seqs in generate(loaded.model, MIXTRAL_PROMPTS, params,
+                                                                       vocab_size=loaded.vocab_size)]
+              for name, params in runs.items()}
+    return {"logits": logits, "tokens": tokens}
+
+
+def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(tmp_path):
+    """HF Mixtral -> ours recorded at ep2 x tp2 (tools/convert_hf.py) -> torch format at ep2 (a file per ep rank)
+    -> generation at ep2 x tp2 (4 processes): the logits and greedy tokens of transformers; and that torch-format
+    ep2 checkpoint converts back to the published tensors."""
+    from megatron_like.inference import hf_gpt2
+    from tests.unit.test_hf_llama import convert_hf
+    from tests.unit.test_hf_mixtral import tiny_mixtral
+
+    hf = tiny_mixtral()
+    hf.save_pretrained(tmp_path / "hf")
+    converted, torch_ep2, back = (str(tmp_path / name) for name in ("ours", "torch_ep2", "back"))
+    convert_hf.main(["from-hf", "--load", str(tmp_path / "hf"), "--save", converted,
+                     "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"])
+    results = run_distributed(mixtral_ep_worker, 4, converted, torch_ep2, timeout=300)
+    assert sorted(os.listdir(tmp_path / "torch_ep2" / "iter_0000000")) == [
+        "mp_rank_00_000_000", "mp_rank_00_000_001", "mp_rank_01_000_000", "mp_rank_01_000_001"]
+    expected_tokens = []
+    with torch.no_grad():
+        expected_logits = hf(torch.tensor([MIXTRAL_PROMPTS[0]])).logits
+        for prompt in MIXTRAL_PROMPTS:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            expected_tokens.append([out[0, ids.shape[1]:].tolist()])
+    for result in results:
+        torch.testing.assert_close(result["logits"], expected_logits, rtol=5e-5, atol=5e-5)
+        assert result["tokens"]["greedy"] == expected_tokens
+        assert result["tokens"] == results[0]["tokens"]
+    convert_hf.main(["to-hf", "--load", torch_ep2, "--save", back])
+    _, original = hf_gpt2.read_hf_dir(str(tmp_path / "hf"))
+    _, converted_back = hf_gpt2.read_hf_dir(back)
+    assert sorted(converted_back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted_back[name], tensor), name
