@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             return None
         from tqdm import tqdm
 
-        return iter(tqdm(range(-(-batches // ps.dp_size)), desc=task, unit="batch", file=sys.stderr))
+        return iter(tqdm(range(-(-batches // ps.expert_dp_size)), desc=task, unit="batch", file=sys.stderr))
 
     try:
         if task == "WIKITEXT103":

@@ -4,7 +4,9 @@ style, with the word-adjusted perplexity) and LAMBADA-style last-word accuracy.
 Works under tensor, pipeline and data parallelism: each rank runs its chunk, hidden states ``[s, b, h]``
 go stage to stage, the last stage computes the (vocabulary-parallel) loss or gathered logits. With
 ``dp`` model replicas, replica ``r`` takes batches ``r, r + dp, ...``; the sums are added over the
-replicas and broadcast over the pipeline, so every rank returns the same numbers.
+replicas and broadcast over the pipeline, so every rank returns the same numbers. An MoE model whose experts
+are split over ``ep`` ranks is one replica of ``ep`` data-parallel ranks (they see the same batches, which the
+token dispatcher shares out to the experts): ``dp / ep`` replicas, numbered by the expert-dp rank.
 """
 
 from __future__ import annotations
@@ -41,17 +43,18 @@ def pipelined_forward(chunk: GPTModel, tokens: torch.Tensor, labels: torch.Tenso
 
 
 def _batch_starts(chunk: GPTModel, num_items: int, batch_size: int) -> range:
-    """The first item of each batch this data-parallel replica evaluates (every ``dp``-th batch)."""
+    """The first item of each batch this replica evaluates (every ``dp / ep``-th batch)."""
     ps = chunk.ps
-    return range(ps.dp_rank * batch_size, num_items, batch_size * ps.dp_size)
+    return range(ps.expert_dp_rank * batch_size, num_items, batch_size * ps.expert_dp_size)
 
 
 def _summed_over_replicas(chunk: GPTModel, values: Sequence[float]) -> list[float]:
-    """Add a few numbers over the data-parallel replicas and broadcast them from the last pipeline stage
-    to every stage (other stages hold zeros)."""
+    """Add a few numbers over the replicas and broadcast them from the last pipeline stage to every stage
+    (other stages hold zeros). The replicas are the ranks holding the same experts (all dp ranks at ep 1)."""
     ps = chunk.ps
     tensor = torch.tensor(list(values), dtype=torch.float64, device=ps.device)  # NCCL takes device tensors only
-    comm.all_reduce(tensor, ps.dp_group)
+    if ps.expert_dp_group is not None:
+        comm.all_reduce(tensor, ps.expert_dp_group)
     if ps.pp_size > 1:
         comm.broadcast(tensor, ps.pp_global_ranks[-1], ps.pp_group)
     return tensor.tolist()

@@ -113,13 +113,23 @@ def mixtral_ep_worker(rank: int, world_size: int, converted: str, torch_ep2: str
     tokens = {name: [[g.token_ids for g in seqs] for seqs in generate(loaded.model, MIXTRAL_PROMPTS, params,
                                                                        vocab_size=loaded.vocab_size)]
               for name, params in runs.items()}
-    return {"logits": logits, "tokens": tokens}
+    # Evaluation at ep2 inside dp4 (tp1): two replicas of two ep ranks each split the windows.
+    ps = ParallelState.initialize(ParallelConfig(expert_model_parallel_size=2), 4)
+    chunk = load_inference_model(converted, ps).model[0]
+    return {"logits": logits, "tokens": tokens, "perplexity": mixtral_perplexity(chunk)}
+
+
+def mixtral_perplexity(chunk) -> float:
+    from megatron_like.inference.evaluation import perplexity
+
+    stream = [(7 * i + 3) % 120 for i in range(90)]
+    return perplexity(chunk, stream, 30, seq_length=16, stride=8, vocab_size=120, batch_size=2).avg_loss
 
 
 def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(tmp_path):
     """HF Mixtral -> ours recorded at ep2 x tp2 (tools/convert_hf.py) -> torch format at ep2 (a file per ep rank)
-    -> generation at ep2 x tp2 (4 processes): the logits and greedy tokens of transformers; and that torch-format
-    ep2 checkpoint converts back to the published tensors."""
+    -> generation at ep2 x tp2 (4 processes): the logits and greedy tokens of transformers; evaluation at ep2 in
+    dp4 equals one process's; and that torch-format ep2 checkpoint converts back to the published tensors."""
     from megatron_like.inference import hf_gpt2
     from tests.unit.test_hf_llama import convert_hf
     from tests.unit.test_hf_mixtral import tiny_mixtral
@@ -140,7 +150,9 @@ def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                               eos_token_id=None, pad_token_id=0)
             expected_tokens.append([out[0, ids.shape[1]:].tolist()])
+    single = load_inference_model(converted, ParallelState.single_process(torch.device("cpu"))).model[0]
     for result in results:
+        torch.testing.assert_close(result["perplexity"], mixtral_perplexity(single), rtol=1e-5, atol=0)
         torch.testing.assert_close(result["logits"], expected_logits, rtol=5e-5, atol=5e-5)
         assert result["tokens"]["greedy"] == expected_tokens
         assert result["tokens"] == results[0]["tokens"]
