@@ -46,14 +46,14 @@ TRAINING_ARGS=(--micro-batch-size 1 --global-batch-size 256 --train-iters 500000
                --clip-grad 1.0 --bf16 --seed 1234)
 DATA_ARGS=(--data-path "$DATA_PATH" --split 949,50,1 --tokenizer-type HuggingFaceTokenizer
            --tokenizer-model "$TOKENIZER_MODEL" --num-workers 2)
-# Checkpoints at --expert-model-parallel-size > 1 are refused until the formats place experts (docs/moe.md):
-# add (--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval 1000) once they do.
-CHECKPOINT_ARGS=()
+# torch_dist (the default format) stores each layer's 8 experts as one global tensor: the checkpoint resumes at
+# any tp/pp/ep layout (docs/checkpoints.md, docs/moe.md).
+CHECKPOINT_ARGS=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH" --save-interval 1000)
 LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorboard-dir "$TENSORBOARD_DIR"
               --distributed-timeout-minutes 10)
 
 ARGS=("${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}"
-      ${CHECKPOINT_ARGS[@]+"${CHECKPOINT_ARGS[@]}"} "${LOGGING_ARGS[@]}")
+      "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
     exec "$PYTHON" tools/plan.py --world-size "$WORLD_SIZE" "${ARGS[@]}" --vocab-size "$VOCAB_SIZE"
