@@ -162,3 +162,19 @@ def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(
     assert sorted(converted_back) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(converted_back[name], tensor), name
+
+
+def test_inference_tools_count_the_expert_parallel_ranks_in_one_model_replica():
+    from megatron_like.config import Config, ConfigError
+    from megatron_like.inference import cli
+
+    config = Config()
+    config.parallel.tensor_model_parallel_size, config.parallel.expert_model_parallel_size = 2, 2
+    config.world_size = 2
+    with pytest.raises(ConfigError) as error:  # before any process group
+        cli.setup(config)
+    assert str(error.value) == ("this tool runs one model replica: launch --tensor-model-parallel-size 2 x --pipeline-"
+                                "model-parallel-size 1 x --expert-model-parallel-size 2 = 4 processes, not 2")
+    config.world_size = 6
+    with pytest.raises(ConfigError, match="the world size 6 is not a multiple of .* = 4"):
+        cli.setup(config, data_parallel=True)
