@@ -11,6 +11,11 @@ float32 tolerance (the two layouts compute the same model, see test_zero.py and 
 --async-save (bf16, ZeRO-2 over dp 2): the checkpoint written in the background holds the state of the
 iteration it was taken at and resumes bitwise (dropout on, fp32 masters included); the run ends only
 once its last checkpoint is named by the tracker.
+
+Mixture of experts (one more group of 4): a torch_dist checkpoint of ep2 x tp2 continues at ep4 with ZeRO-3 and
+at ep1 x pp2 with ZeRO-2 like the straight run (losses, router losses, grad norms, weights), resumes bitwise at
+its own layout, and holds every expert once at its global place; the torch format at ep2 (a directory per ep
+rank) resumes bitwise and refuses another ep in one line.
 """
 
 from __future__ import annotations
