@@ -22,7 +22,8 @@ What each stage keeps (fp32 = ``main_grad``, p = the params' dtype)::
     param_shard     = param_flat         slice of param_flat  slice of param_flat  own storage (chunk-wide)
     grad_flat   fp32, whole chunk        whole chunk          per bucket, only     per bucket, only
                                                               during one backward  during one backward
-    grad_shard      = grad_flat          slice of grad_flat   own storage          own storage
+    grad_shard      = grad_flat          slice of grad_flat   own storage, only from the step's first
+                                                              reduction to the next step's start
 
 Gradient flow
 -------------
@@ -261,6 +262,7 @@ class ParamAndGradBuffer:
                 bucket.params_sharded = True
                 bucket.release()
             offset, shard_offset = offset + n, shard_offset + sn
+        self.grad_shards_allocated = True  # stage 2/3 free grad_data between steps (start_grad_sync)
         # (work handle, what to do once it completed, the input it reads: kept alive until then)
         self._pending: list[tuple[object, Callable[[], None], torch.Tensor]] = []
         self.num_microbatches = 1
@@ -338,6 +340,7 @@ class ParamAndGradBuffer:
                 bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
                 def finish() -> None:
+                    self._allocate_grad_shards()
                     bucket.grad_shard.add_(out)
                     out.untyped_storage().resize_(0)
                     grad.untyped_storage().resize_(0)
@@ -360,9 +363,18 @@ class ParamAndGradBuffer:
 
     # ---------------------------------------------------------------- per step
     def start_grad_sync(self, num_microbatches: int) -> None:
-        """Zero the gradients and the hooks' counters before the first micro batch of a step."""
+        """Zero the gradients and the hooks' counters before the first micro batch of a step.
+
+        Stage 2/3 instead free the gradient shards: nothing reads them before the step's first reduction
+        lands (:meth:`_allocate_grad_shards`), and the forward and the start of backward (the output layer's
+        logits and their gradient, often the step's peak) then run without their ``4 x params / dp`` bytes,
+        as FSDP2's gradients, set to None after each optimizer step, are absent there.
+        """
         self.num_microbatches = num_microbatches
-        self.grad_data.zero_()
+        if self.zero_stage >= 2:
+            self._free_grad_shards()
+        else:
+            self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.ready = bucket.micro_batches_done = 0
             bucket.reduction_launched = False
@@ -384,6 +396,20 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             if self.zero_stage >= 2:
                 bucket.grad_flat = None
+        self._allocate_grad_shards()  # zeros if no reduction landed (no bucket got a gradient this step)
+
+    def _free_grad_shards(self) -> None:
+        """Stage 2/3: give back ``grad_data``'s storage; its views (the buckets' ``grad_shard``, the optimizer's
+        segments) keep their shapes and see the storage again once :meth:`_allocate_grad_shards` restores it."""
+        self.grad_data.untyped_storage().resize_(0)
+        self.grad_shards_allocated = False
+
+    def _allocate_grad_shards(self) -> None:
+        """Stage 2/3: restore ``grad_data``'s storage, zeroed, if :meth:`start_grad_sync` freed it."""
+        if not self.grad_shards_allocated:
+            self.grad_data.untyped_storage().resize_(self.grad_data.numel() * self.grad_data.element_size())
+            self.grad_data.zero_()
+            self.grad_shards_allocated = True
 
     def sequence_parallel_grad_slices(self) -> list[torch.Tensor]:
         """Views of this rank's reduced gradient that belong to sequence-parallel params."""
