@@ -203,7 +203,7 @@ def test_reductions_are_launched_while_backward_runs(stage: int) -> None:
 def test_parameter_prefetch_holds_at_most_one_more_layer(stage: int) -> None:
     """``--overlap-param-gather``: ZeRO-3 holds its shards plus the root and two layers' gathered params (one
     computing, one arriving), never more (a prefetch that was not freed, or one launched too early, would);
-    ZeRO-1/2 only a copy of one bucket's shard while it is gathered."""
+    ZeRO-1/2 nothing (the updated shard is gathered in place)."""
     from megatron_like.planning.simulator import stage_params
 
     config = parse_config(memory_flags(stage, True, True), world_size=DP)
