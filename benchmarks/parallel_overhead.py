@@ -30,6 +30,9 @@ period of the machine hits both. The table reports:
 
 - ``s/step``: median over the timed steps of rank 0's wall time between barriers before and after the step.
 - ``tokens/s``: global batch x sequence length / that median.
+- ``CPU s/step/rank``: user + system CPU seconds of a rank's process (all its threads, gloo's included) over
+  the same steps, median per rank, the busiest rank; far less disturbed by other load on the machine than wall
+  time. ``speed vs peer`` gives both ratios (the peer's time / ours: above 1 means ours is faster).
 - ``peak MiB/rank``: the most bytes of tensors alive at once during the measured step, from the profiler's
   allocation log (allocations minus frees since the side's construction: parameters, gradients,
   optimizer states and the step's transients; not the resident set); the largest over the ranks.
@@ -52,6 +55,7 @@ import argparse
 import contextlib
 import itertools
 import os
+import resource
 import statistics
 import sys
 import time
@@ -472,12 +476,20 @@ def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, com
     return step, peak, traffic
 
 
-def timed(step: Step) -> float:
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process, every thread (gloo's workers included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed(step: Step) -> tuple[float, float]:
+    """``(wall seconds, this rank's CPU seconds)`` of one step, between barriers."""
     comm.barrier()
-    begin = time.perf_counter()
+    begin, cpu = time.perf_counter(), _cpu_seconds()
     step()
+    cpu = _cpu_seconds() - cpu
     comm.barrier()
-    return time.perf_counter() - begin
+    return time.perf_counter() - begin, cpu
 
 
 def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int) -> dict[str, dict]:
@@ -494,13 +506,16 @@ def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
     ours, our_peak, our_sent = profiled_side(lambda: build_ours(config, tokens), peer=False)
     theirs, peer_peak, peer_sent = profiled_side(lambda: build_peer(config, tokens), peer=True)
     times: dict[str, list[float]] = {"ours": [], "peer": []}
+    cpu: dict[str, list[float]] = {"ours": [], "peer": []}
     for _ in range(steps):
-        times["ours"].append(timed(ours))
-        times["peer"].append(timed(theirs))
+        for side, step in (("ours", ours), ("peer", theirs)):
+            wall, seconds = timed(step)
+            times[side].append(wall)
+            cpu[side].append(seconds)
     model = _peer_model(config)
     params = sum(p.numel() for p in model.parameters())
     root_params = params - sum(p.numel() for p in model.layers.parameters())
-    return {"times": times, "peak": {"ours": our_peak, "peer": peer_peak},
+    return {"times": times, "cpu": cpu, "peak": {"ours": our_peak, "peer": peer_peak},
             "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
             "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params,
             "root_params": root_params}
@@ -522,17 +537,20 @@ def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
 
 
 def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]:
-    """Markdown rows ``| mode | side | s/step | tokens/s | peak MiB/rank | sent MiB/rank | theory | speed |``."""
+    """Markdown rows ``| mode | side | s/step | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank |
+    theory | speed (wall) | speed (CPU) |``."""
     tokens = sizes.global_batch * sizes.seq
     medians = {side: statistics.median(results[0]["times"][side]) for side in ("ours", "peer")}
+    # per rank the median over the steps, then the busiest rank
+    cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in ("ours", "peer")}
     theory = theory_bytes(mode, sizes, results[0]["params"], world) / 2**20
     rows = []
     for side, name in (("ours", "megatron_like"), ("peer", PEERS[mode][0])):
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
-        speed = medians["peer"] / medians[side]
-        rows.append(f"| {mode} | {name} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | {peak:.1f} | "
-                    f"{sent:.2f} | {theory:.2f} | {speed:.2f}x |")
+        speed, cpu_speed = medians["peer"] / medians[side], cpu["peer"] / cpu[side]
+        rows.append(f"| {mode} | {name} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | {cpu[side]:.3f} | "
+                    f"{peak:.1f} | {sent:.2f} | {theory:.2f} | {speed:.2f}x | {cpu_speed:.2f}x |")
     return rows
 
 
@@ -553,9 +571,9 @@ def main(argv: list[str] | None = None) -> None:
     sizes = ISSUE if args.issue_sizes else SMALL
     print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| mode | implementation | s/step (median) | tokens/s | peak MiB/rank | sent MiB/rank | theory MiB/rank "
-          "| speed vs peer |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | implementation | s/step (median) | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank "
+          "| theory MiB/rank | speed vs peer (wall) | (CPU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results = run_distributed(run_modes, args.world_size, args.modes, sizes, args.steps, timeout=3600)
     for mode in args.modes:
         for row in table(mode, sizes, [r[mode] for r in results], args.world_size):

@@ -22,7 +22,8 @@ What each stage keeps (fp32 = ``main_grad``, p = the params' dtype)::
     param_shard     = param_flat         slice of param_flat  slice of param_flat  own storage (chunk-wide)
     grad_flat   fp32, whole chunk        whole chunk          per bucket, only     per bucket, only
                                                               during one backward  during one backward
-    grad_shard      = grad_flat          slice of grad_flat   own storage          own storage
+    grad_shard      = grad_flat          slice of grad_flat   own storage, only from the step's first
+                                                              reduction to the next step's start
 
 Gradient flow
 -------------
@@ -102,8 +103,7 @@ class Bucket:
         self.grad_shard: torch.Tensor  # [shard_numel] fp32
         self.gathered = True  # param_flat holds storage (ZeRO-3 frees it between uses)
         self.params_stale = False  # ZeRO-1/2: the shard was updated, param_flat not yet re-gathered
-        # The all-gather writing into param_flat, in flight: (work handle, input copy to free after it).
-        self._gather: tuple[object, torch.Tensor | None] | None = None
+        self._gather: object | None = None  # the all-gather writing into param_flat, in flight (work handle)
         # Per-step bookkeeping of the hooks.
         self.ready = 0
         self.micro_batches_done = 0
@@ -125,35 +125,30 @@ class Bucket:
         """Launch the asynchronous all-gather of every rank's shard into ``param_flat``; :meth:`wait_gather`
         before reading the params. A no-op when ``param_flat`` is current or its gather is already in flight.
 
-        ZeRO-3 first re-allocates ``param_flat``. ZeRO-1/2 (after the optimizer updated the shard) gather from
-        a copy of the shard: the shard is a slice of ``param_flat``, the output, which must not be read while
-        it is written.
+        ZeRO-3 first re-allocates ``param_flat``. ZeRO-1/2 (after the optimizer updated the shard) gather in
+        place: the shard is this rank's chunk of ``param_flat``, which ``comm.all_gather_flat`` accepts as its
+        input (no copy of the shard).
         """
         if self.params_sharded:
             if self.gathered:
                 return
             self.param_flat.untyped_storage().resize_(self.numel * self.param_flat.element_size())
-            self.gathered, source, copy = True, self.param_shard, None
+            self.gathered = True
         else:
             if not self.params_stale:
                 return
             self.params_stale = False
-            source = copy = self.param_shard.clone()
         # The params are views of param_flat's storage, so they see the gathered values; writing through
         # param_flat (a different tensor) leaves the params' autograd version counters alone, so tensors
         # saved for backward before a ZeRO-3 free stay valid after the re-gather.
-        self._gather = (comm.all_gather_flat(self.param_flat, source, self.group, async_op=True), copy)
+        self._gather = comm.all_gather_flat(self.param_flat, self.param_shard, self.group, async_op=True)
 
     def wait_gather(self) -> None:
         """Block until the gather launched by :meth:`start_gather` (if any) has filled ``param_flat``."""
         if self._gather is None:
             return
-        work, copy = self._gather
-        self._gather = None
-        if work is not None:
-            work.wait()
-        if copy is not None:
-            copy.untyped_storage().resize_(0)  # freed on this thread, where the memory log looks (see _reduce)
+        work, self._gather = self._gather, None
+        work.wait()
 
     def gather(self) -> None:
         """Make ``param_flat`` hold the full current values now (start the gather if needed, and wait)."""
@@ -261,6 +256,7 @@ class ParamAndGradBuffer:
                 bucket.params_sharded = True
                 bucket.release()
             offset, shard_offset = offset + n, shard_offset + sn
+        self.grad_shards_allocated = True  # stage 2/3 free grad_data between steps (start_grad_sync)
         # (work handle, what to do once it completed, the input it reads: kept alive until then)
         self._pending: list[tuple[object, Callable[[], None], torch.Tensor]] = []
         self.num_microbatches = 1
@@ -338,6 +334,7 @@ class ParamAndGradBuffer:
                 bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
                 def finish() -> None:
+                    self._allocate_grad_shards()
                     bucket.grad_shard.add_(out)
                     out.untyped_storage().resize_(0)
                     grad.untyped_storage().resize_(0)
@@ -346,8 +343,9 @@ class ParamAndGradBuffer:
             finish()
             return
         # One reduction in flight: finish the earlier ones now (they had this bucket's backward to complete).
-        # At stage 2/3 each holds a full fp32 bucket gradient, every micro batch; and gloo's reduce-scatter
-        # works on a full copy of its input. Unbounded, either would grow with the micro batches or buckets.
+        # At stage 2/3 each holds a full fp32 bucket gradient, every micro batch; and on gloo the reduce-scatter
+        # receives into a buffer as large as its input (collectives.reduce_scatter_flat). Unbounded, either would
+        # grow with the micro batches or buckets.
         self._finish_pending()
         self._pending.append((work, finish, grad))
 
@@ -360,9 +358,18 @@ class ParamAndGradBuffer:
 
     # ---------------------------------------------------------------- per step
     def start_grad_sync(self, num_microbatches: int) -> None:
-        """Zero the gradients and the hooks' counters before the first micro batch of a step."""
+        """Zero the gradients and the hooks' counters before the first micro batch of a step.
+
+        Stage 2/3 instead free the gradient shards: nothing reads them before the step's first reduction
+        lands (:meth:`_allocate_grad_shards`), and the forward and the start of backward (the output layer's
+        logits and their gradient, often the step's peak) then run without their ``4 x params / dp`` bytes,
+        as FSDP2's gradients, set to None after each optimizer step, are absent there.
+        """
         self.num_microbatches = num_microbatches
-        self.grad_data.zero_()
+        if self.zero_stage >= 2:
+            self._free_grad_shards()
+        else:
+            self.grad_data.zero_()
         for bucket in self.buckets:
             bucket.ready = bucket.micro_batches_done = 0
             bucket.reduction_launched = False
@@ -384,6 +391,20 @@ class ParamAndGradBuffer:
         for bucket in self.buckets:
             if self.zero_stage >= 2:
                 bucket.grad_flat = None
+        self._allocate_grad_shards()  # zeros if no reduction landed (no bucket got a gradient this step)
+
+    def _free_grad_shards(self) -> None:
+        """Stage 2/3: give back ``grad_data``'s storage; its views (the buckets' ``grad_shard``, the optimizer's
+        segments) keep their shapes and see the storage again once :meth:`_allocate_grad_shards` restores it."""
+        self.grad_data.untyped_storage().resize_(0)
+        self.grad_shards_allocated = False
+
+    def _allocate_grad_shards(self) -> None:
+        """Stage 2/3: restore ``grad_data``'s storage, zeroed, if :meth:`start_grad_sync` freed it."""
+        if not self.grad_shards_allocated:
+            self.grad_data.untyped_storage().resize_(self.grad_data.numel() * self.grad_data.element_size())
+            self.grad_data.zero_()
+            self.grad_shards_allocated = True
 
     def sequence_parallel_grad_slices(self) -> list[torch.Tensor]:
         """Views of this rank's reduced gradient that belong to sequence-parallel params."""
@@ -416,8 +437,7 @@ class ParamAndGradBuffer:
 
     def finish_param_sync(self) -> None:
         """Stage 1/2: finish every pending gather of updated params (before params are read outside a forward:
-        checkpoints, the end of a run, the next optimizer step). One gather in flight: gloo's all-gather
-        allocates twice its output, and each holds a copy of its input shard."""
+        checkpoints, the end of a run, the next optimizer step), one in flight at a time."""
         if self.zero_stage not in (1, 2):
             return
         previous: Bucket | None = None

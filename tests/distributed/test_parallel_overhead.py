@@ -83,3 +83,46 @@ def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figu
     for side in ("ours", "peer"):
         sent = figures[mode]["sent"][side]
         assert theory <= sent <= theory + SCALARS, (mode, side, figures[mode]["sent_by_kind"][side], theory)
+
+
+def _flat_collectives_on_gloo(rank: int, world: int) -> dict:
+    """``collectives.reduce_scatter_flat`` / ``all_gather_flat`` (ZeRO's) on gloo, async and in place as the
+    buffers call them: their results against torch's own, and the c10d ops they ran."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_like import collectives as comm
+
+    class ops_seen(TorchDispatchMode):  # noqa: N801
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.namespace == "c10d":
+                self.names.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("gloo")
+    group = dist.new_group(list(range(world)))
+    gradient = torch.randn(world * 1000, generator=torch.Generator().manual_seed(rank))
+    expected = gradient.clone()
+    dist.all_reduce(expected, group=group)
+    shard = torch.empty(1000)
+    params = torch.zeros(world * 1000)
+    with ops_seen() as seen:
+        comm.reduce_scatter_flat(shard, gradient, group, async_op=True).wait()
+        params.view(world, -1)[rank] = shard
+        comm.all_gather_flat(params, params.view(world, -1)[rank], group, async_op=True).wait()
+    return {"shard_error": float((shard - expected.view(world, -1)[rank]).abs().max()),
+            "params_error": float((params - expected).abs().max()), "ops": seen.names}
+
+
+def test_zero_flat_collectives_on_gloo_avoid_torchs_full_size_copies():
+    """gloo has no reduce-scatter (torch's clones the input and all-reduces it) and its all-gather goes through
+    an output-sized temporary: ZeRO's flat collectives run an all-to-all and in-place broadcasts instead, and
+    give torch's results (docs/distributed.md)."""
+    for result in run_distributed(_flat_collectives_on_gloo, WORLD):
+        assert result["shard_error"] < 1e-6 and result["params_error"] < 1e-6, result
+        assert set(result["ops"]) == {"alltoall_base_", "broadcast_"}, result["ops"]

@@ -6,6 +6,9 @@
   strictly decreasing from stage 0 to 3, and overlapping costs at most one bucket's transient gradient
   (not one full gradient per micro batch, the bug this file was written for).
 * ``--overlap-param-gather`` costs ZeRO-3 one more layer's gathered params (the prefetched one), nothing more.
+* Against FSDP2 (``fully_shard`` per layer and root, the benchmark's peer) on the same model and tokens, one
+  micro batch, the step's peak at the output layer's backward: ZeRO-2/3 hold at most FSDP2's peak (our fp32
+  gradient shards, kept from one step to the next, once put us ``4 x params / dp`` bytes above it).
 * Overlap: with ``--overlap-grad-reduce`` bucket reductions are launched asynchronously while backward
   still runs (other buckets' gradients arrive between a reduction's launch and its wait).
 
@@ -200,7 +203,7 @@ def test_reductions_are_launched_while_backward_runs(stage: int) -> None:
 def test_parameter_prefetch_holds_at_most_one_more_layer(stage: int) -> None:
     """``--overlap-param-gather``: ZeRO-3 holds its shards plus the root and two layers' gathered params (one
     computing, one arriving), never more (a prefetch that was not freed, or one launched too early, would);
-    ZeRO-1/2 only a copy of one bucket's shard while it is gathered."""
+    ZeRO-1/2 nothing (the updated shard is gathered in place)."""
     from megatron_like.planning.simulator import stage_params
 
     config = parse_config(memory_flags(stage, True, True), world_size=DP)
@@ -211,3 +214,34 @@ def test_parameter_prefetch_holds_at_most_one_more_layer(stage: int) -> None:
     allowed = layer_bytes if stage == 3 else 0
     assert measured - without <= allowed + 0.02 * without, \
         f"zero {stage}: prefetch adds {(measured - without) / 2**20:.3f} MiB, one layer is {layer_bytes / 2**20:.3f}"
+
+
+# A model whose step peaks at the output layer's backward (logits and their gradient alive), as the issue-16
+# benchmark's does: vocabulary large against the layers.
+PEER_SIZES = dict(layers=2, hidden=64, heads=4, seq=64, vocab=8192, global_batch=4)
+# Per step, ours builds the batch's labels, position ids and loss mask ([b, s] each, 1.5 KiB here) in
+# get_batch; the peer's loop gets them made once. The fixed gradient shards were 600 KiB above FSDP2's peak.
+BATCH_TENSORS = 16 * 2**10
+
+
+@pytest.mark.parametrize("mode", ["zero2", "zero3", "zero3-prefetch"])
+def test_zero_peak_at_most_fsdp2s(mode: str) -> None:
+    """Peak live bytes of a one-micro-batch step (the benchmark's measure: from construction on, the peak during
+    the step after the warm-up) at dp 2 under a fake process group: ours at most FSDP2's."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import parallel_overhead as bench
+
+    from megatron_like.planning.simulator import fake_world
+
+    sizes = bench.Sizes(**PEER_SIZES)
+    config = bench.our_config(mode, sizes, DP)
+    tokens = bench.global_batch(config, sizes.vocab)
+    with fake_world(DP, 0):
+        _, ours, _ = bench.profiled_side(lambda: bench.build_ours(config, tokens), peer=False)
+    with fake_world(DP, 0):
+        _, fsdp2, _ = bench.profiled_side(lambda: bench.PEERS[mode][1](config, tokens), peer=True)
+    assert ours <= fsdp2 + BATCH_TENSORS, \
+        f"{mode}: peak {ours / 2**20:.3f} MiB per rank, FSDP2 {fsdp2 / 2**20:.3f} MiB"
