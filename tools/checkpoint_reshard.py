@@ -39,7 +39,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_like.config import Config, ConfigError  # noqa: E402
+from megatron_like.config import Config, ConfigError, QuietArgumentParser  # noqa: E402
 from megatron_like.model.state import first_shard_dir, read_saved_config  # noqa: E402
 from megatron_like.training.checkpointing import (  # noqa: E402
     CheckpointError,
@@ -220,7 +220,7 @@ def reshard(args: argparse.Namespace) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="source checkpoint directory (either format)")
     parser.add_argument("--save", required=True, help="where to write the converted checkpoint")
     parser.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",

@@ -32,7 +32,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-from megatron_like.config import Config, DataConfig, ModelConfig  # noqa: E402
+from megatron_like.config import Config, DataConfig, ModelConfig, QuietArgumentParser  # noqa: E402
 from megatron_like.inference import hf_gpt2, hf_llama, hf_mixtral  # noqa: E402
 from megatron_like.model.state import load_full_state  # noqa: E402
 
@@ -140,7 +140,7 @@ def from_hf(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 / Mixtral directory")
     a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp/ep layout).")

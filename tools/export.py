@@ -13,7 +13,6 @@ directory, following the model).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from megatron_like.config import ModelConfig  # noqa: E402
+from megatron_like.config import ModelConfig, QuietArgumentParser  # noqa: E402
 from megatron_like.inference.loading import load_inference_model  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
@@ -59,7 +58,7 @@ def export_program(load: str, iteration: int | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--load", required=True, help="Checkpoint directory (any tp/pp layout).")
     parser.add_argument("--save", required=True, help="Output directory.")
     parser.add_argument("--format", choices=["torch-export", "hf"], default="torch-export")

@@ -12,7 +12,6 @@ TensorBoard already installs), so no plotting library is needed.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -20,6 +19,10 @@ import sys
 from dataclasses import dataclass, field
 
 from PIL import Image, ImageDraw, ImageFont
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_like.config import QuietArgumentParser  # noqa: E402
 
 TRAIN = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.eE+-]+|nan|inf) \|")
 THROUGHPUT = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| throughput \(tokens/s\): ([0-9.eE+-]+) \|")
@@ -153,7 +156,7 @@ def plot(runs: list[Run], output: str, width: int = 900, height: int = 700) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = QuietArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="training log files or TensorBoard directories (one per run)")
     parser.add_argument("--output", default="training_curves.png", help="PNG to write")
     parser.add_argument("--width", type=int, default=900)

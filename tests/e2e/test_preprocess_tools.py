@@ -8,6 +8,7 @@ import numpy as np
 from megatron_like.data.indexed_dataset import IndexedDataset
 from megatron_like.data.tokenizer import GPT2BPETokenizer
 from tests.e2e.cli import run_data_tool as run_tool
+from tests.e2e.cli import run_script
 
 
 def read_jsonl(path):
@@ -195,12 +196,13 @@ def test_shuffle_is_a_seeded_permutation(tmp_path):
     assert outs[0] == outs[1] and outs[0] != outs[2]
 
 
-def test_bad_command_line_is_one_line_for_every_data_tool():
+def test_bad_command_line_is_one_line_for_every_data_tool_and_tool():
     """A mistyped flag prints one line with a --help hint (QuietArgumentParser), not argparse's usage block."""
-    folder = Path(__file__).parents[2] / "data_tools"
-    tools = sorted(p.name for p in folder.glob("*.py") if not p.name.startswith("_"))
-    assert "preprocess.py" in tools
-    for name in tools:
-        proc = run_tool(name, "--no-such-flag", check=False)
+    root = Path(__file__).parents[2]
+    tools = sorted(f"{folder}/{p.name}" for folder in ("data_tools", "tools") for p in (root / folder).glob("*.py")
+                   if not p.name.startswith("_"))
+    assert {"data_tools/preprocess.py", "tools/convert_hf.py", "tools/plot_logs.py"} <= set(tools)
+    for script in tools:
+        proc = run_script(script, "--no-such-flag", check=False)
         lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and "--help" in lines[0], (name, proc.stderr)
+        assert proc.returncode == 2 and len(lines) == 1 and "--help" in lines[0], (script, proc.stderr)
