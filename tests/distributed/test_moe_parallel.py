@@ -10,7 +10,8 @@ tokens: capacity is per micro batch and the whole sequence, whatever tp and ep).
 
 Expert tensor parallelism other than tp (the experts' own layout etp x ep x expert-dp over the tp x dp ranks):
 etp 1 inside tp 2 (the tp ranks become expert-parallel ranks: ep 2 with expert-dp 2, ep 4 across tp and dp)
-and etp 2 with tp 1 (two data-parallel ranks split each expert, the dispatcher gathers their pairs).
+and etp 2 with tp 1 (two data-parallel ranks split each expert, the dispatcher gathers their pairs; with and
+without ep).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ CASES: dict[str, list[str]] = {
     "etp1-tp2-sp-ep2-allgather-zero3": ep(2) + etp(1) + TP2_SP + ALLGATHER + zero(3),
     "etp1-tp2-sp-ep4-alltoall": ep(4) + etp(1) + TP2_SP + ALLTOALL,
     "etp2-tp1-ep2-alltoall-zero3-capacity": ep(2) + etp(2) + ALLTOALL + zero(3) + CAPACITY,
+    "etp2-tp1-ep1-allgather-zero2": etp(2) + ALLGATHER + zero(2),
 }
 
 
@@ -101,6 +103,26 @@ def test_moe_reference_learns_and_drops_tokens() -> None:
     assert plain["losses"][-1] < plain["losses"][0]
     # Dropping changes the outputs (the capacity cases above are not the plain model in disguise).
     assert abs(dropped["losses"][0] - plain["losses"][0]) > 1e-4
+
+
+def test_expert_layout_is_megatrons_expert_rank_generator() -> None:
+    """Within a stage, expert tp is innermost, then ep, then expert-dp (Megatron-core's order tp-ep-dp-pp)."""
+    from megatron_like.parallel_state import ParallelState
+
+    def coords(tp: int, dp: int, pp: int, etp: int | None, ep: int) -> list[tuple[int, int, int]]:
+        states = [ParallelState(tp_size=tp, dp_size=dp, pp_size=pp, etp_size=etp, ep_size=ep, rank=r)
+                  for r in range(tp * dp * pp)]
+        for ps in states:
+            assert ps.expert_rank_of(ps.etp_rank, ps.ep_rank, ps.expert_dp_rank, ps.pp_rank) == ps.rank
+        return [(ps.etp_rank, ps.ep_rank, ps.expert_dp_rank) for ps in states]
+
+    # etp = tp: ep over consecutive data-parallel ranks of one tp rank (the layout before etp existed)
+    assert coords(2, 2, 1, None, 2) == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    # tp 2, etp 1: the two tp ranks of a data-parallel replica are two expert-parallel ranks
+    assert coords(2, 2, 1, 1, 2) == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+    # tp 1, etp 2: two data-parallel ranks split each expert; per pipeline stage
+    assert coords(1, 2, 2, 2, 1) == [(0, 0, 0), (1, 0, 0)] * 2
+    assert ParallelState(tp_size=2, dp_size=4, etp_size=1, ep_size=4).expert_dp_size == 2
 
 
 @pytest.mark.parametrize("flags,message", [
