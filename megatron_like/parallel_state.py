@@ -270,7 +270,7 @@ class ParallelState:
                 for d in range(edp):
                     for e in range(ep):
                         ranks = [self.expert_rank_of(t, e, d, p) for t in range(etp)]
-                        group = make(ranks)
+                        group = make(ranks) if etp != tp else self.tp_group  # etp = tp: these are the tp groups
                         if me in ranks:
                             self.etp_group = group
                     for t in range(etp):
