@@ -870,7 +870,9 @@ def no_effect_warnings(config: Config) -> list[str]:
     if config.checkpoint.save_interval and not config.checkpoint.save:
         warnings.append("--save-interval has no effect without --save")
     m = config.model
-    if m.num_experts is not None and p.expert_model_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall":
+    etp_is_tp = p.expert_tensor_parallel_size in (None, p.tensor_model_parallel_size)  # else tokens move over etp
+    if m.num_experts is not None and p.expert_model_parallel_size == 1 and etp_is_tp \
+            and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
