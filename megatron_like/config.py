@@ -334,7 +334,8 @@ class ParallelConfig:
     """Processes that split the experts of each MoE layer; an expert-parallel group is ep consecutive ranks of
     a data-parallel group (Megatron-LM's layout, docs/moe.md)."""
     expert_tensor_parallel_size: int | None = None
-    """Tensor parallelism inside each expert; defaults to (and currently must equal) --tensor-model-parallel-size."""
+    """Tensor parallelism inside each expert (default --tensor-model-parallel-size); the experts' own layout
+    etp x ep x expert-dp covers the tp x dp ranks of a stage (Megatron-core's expert rank generator)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (same as --zero-stage 1)."""
     zero_stage: int = 0
@@ -693,28 +694,35 @@ class Config:
         return self
 
     def validate_moe_layout(self) -> None:
-        """Expert parallelism's rules (Megatron-LM's): ep divides the experts and the data-parallel size."""
+        """Expert parallelism's rules (Megatron-LM's): ep divides the experts, and the experts' layout (etp x ep x
+        expert-dp) covers the tp x dp ranks of a pipeline stage."""
         m, p = self.model, self.parallel
         tp, ep, dp = p.tensor_model_parallel_size, p.expert_model_parallel_size, self.data_parallel_size
-        etp = p.expert_tensor_parallel_size
-        _require(etp is None or etp == tp,
-                 f"--expert-tensor-parallel-size {etp} must equal --tensor-model-parallel-size {tp} (each expert is "
-                 "split like the dense MLP; other expert tp sizes are not supported yet)")
+        etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        _require(etp >= 1, f"--expert-tensor-parallel-size {etp} must be at least 1")
         if m.num_experts is None:
             _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+            _require(etp == tp, f"--expert-tensor-parallel-size {etp} needs --num-experts")
             return
         _require(m.num_experts % ep == 0,
                  f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
-        _require(dp % ep == 0,
-                 f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world size "
-                 f"{self.world_size} / (tp {tp} * pp {p.pipeline_model_parallel_size})); expert-parallel groups "
-                 "live inside data parallelism")
-        _require(m.moe_ffn_size % tp == 0,
-                 f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by --tensor-model-parallel-size {tp}")
+        _require((tp * dp) % (etp * ep) == 0,
+                 f"--expert-model-parallel-size {ep} * --expert-tensor-parallel-size {etp} does not divide "
+                 f"--tensor-model-parallel-size {tp} * the data-parallel size {dp} (world size {self.world_size} / "
+                 f"pp {p.pipeline_model_parallel_size}); the experts' layout splits the ranks of a pipeline stage")
+        _require(etp == tp or tp == 1 or p.sequence_parallel,
+                 f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} needs "
+                 "--sequence-parallel (each tp rank sends its own sequence shard to the experts)")
+        _require(m.moe_ffn_size % etp == 0,
+                 f"--moe-ffn-hidden-size {m.moe_ffn_size} is not divisible by --expert-tensor-parallel-size {etp}")
         shared = m.moe_shared_expert_intermediate_size
         _require(shared is None or shared % tp == 0,
                  f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                  f"--tensor-model-parallel-size {tp}")
+        ckpt = self.checkpoint
+        _require(etp == tp or not (ckpt.save or ckpt.load),
+                 f"--save/--load with --expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size "
+                 f"{tp} are not supported yet; checkpoint with the default expert tp")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "world_size"}
@@ -859,7 +867,9 @@ def no_effect_warnings(config: Config) -> list[str]:
     if config.checkpoint.save_interval and not config.checkpoint.save:
         warnings.append("--save-interval has no effect without --save")
     m = config.model
-    if m.num_experts is not None and p.expert_model_parallel_size == 1 and m.moe_token_dispatcher_type == "alltoall":
+    etp_is_tp = p.expert_tensor_parallel_size in (None, p.tensor_model_parallel_size)  # else tokens move over etp
+    if m.num_experts is not None and p.expert_model_parallel_size == 1 and etp_is_tp \
+            and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")

@@ -4,10 +4,17 @@ Rank layout (docs/design.md §3): tensor-parallel innermost, then data-parallel,
 
     rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
-Expert parallelism (docs/moe.md) splits each data-parallel group into groups of ``ep`` consecutive
-data-parallel ranks (Megatron-LM's layout): ``ep_rank = dp_rank % ep`` picks the experts a rank holds,
-``expert_dp_rank = dp_rank // ep`` numbers the ranks holding the same experts (the expert-data-parallel
-group, over which expert gradients are reduced and ZeRO shards them).
+The experts of an MoE layer see the same ``tp * dp`` ranks of a pipeline stage another way (Megatron-core's
+expert rank generator, order tp-ep-dp; docs/moe.md): expert tensor parallelism innermost, then expert
+parallelism, then expert data parallelism::
+
+    rank = pp_rank * (dp * tp) + expert_dp_rank * (ep * etp) + ep_rank * etp + etp_rank
+
+``etp`` ranks split each expert's matmuls, ``ep_rank`` picks the experts a rank holds, ``expert_dp_rank``
+numbers the ranks holding the same expert shards (the expert-data-parallel group, over which expert
+gradients are reduced and ZeRO shards them). With ``etp = tp`` (the default) the expert tp group is the tp
+group and the ep groups are ``ep`` consecutive data-parallel ranks; with ``etp != tp`` the two layouts
+differ, e.g. tp 2 with etp 1 and ep 2 makes the two tp ranks two expert-parallel ranks.
 
 Every other module gets its groups and its device from a :class:`ParallelState` that is passed in;
 nothing else in the codebase calls ``torch.distributed.new_group`` or picks a device.
@@ -78,11 +85,17 @@ class ParallelState:
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage of one (dp, tp) position: they share the word embedding."""
     ep_size: int = 1
-    """Expert-parallel size (divides dp_size)."""
+    """Expert-parallel size (``etp * ep`` divides ``tp * dp``)."""
+    etp_size: int | None = None
+    """Expert tensor-parallel size; None: ``tp_size`` (Megatron's default)."""
     ep_group: dist.ProcessGroup | None = None
-    """The ``ep`` consecutive data-parallel ranks that split the experts (same tp and pp rank)."""
+    """The ``ep`` ranks that split the experts (same expert tp rank, same expert-dp rank)."""
+    etp_group: dist.ProcessGroup | None = None
+    """The ``etp`` consecutive ranks that split each expert's matmuls (the tp group when etp = tp)."""
+    expert_tp_ep_group: dist.ProcessGroup | None = None
+    """The ``etp * ep`` consecutive ranks that together hold one copy of every expert."""
     expert_dp_group: dist.ProcessGroup | None = None
-    """Data-parallel ranks holding the same experts (``dp / ep`` of them): expert gradients reduce here."""
+    """Ranks holding the same expert shards (``tp dp / (etp ep)`` of them): expert gradients reduce here."""
     pp_global_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this process's pipeline group, by stage (for send/recv)."""
     dp_global_ranks: list[int] = field(default_factory=lambda: [0])
@@ -102,16 +115,39 @@ class ParallelState:
         return (self.rank // self.tp_size) % self.dp_size
 
     @property
+    def expert_tp_size(self) -> int:
+        return self.tp_size if self.etp_size is None else self.etp_size
+
+    @property
+    def _stage_rank(self) -> int:
+        """Position inside this pipeline stage's ``tp * dp`` ranks (``dp_rank * tp + tp_rank``)."""
+        return self.rank % (self.tp_size * self.dp_size)
+
+    @property
+    def etp_rank(self) -> int:
+        return self._stage_rank % self.expert_tp_size
+
+    @property
     def ep_rank(self) -> int:
-        return self.dp_rank % self.ep_size
+        return self._stage_rank // self.expert_tp_size % self.ep_size
 
     @property
     def expert_dp_size(self) -> int:
-        return self.dp_size // self.ep_size
+        return self.tp_size * self.dp_size // (self.expert_tp_size * self.ep_size)
 
     @property
     def expert_dp_rank(self) -> int:
-        return self.dp_rank // self.ep_size
+        return self._stage_rank // (self.expert_tp_size * self.ep_size)
+
+    @property
+    def experts_split_like_tp(self) -> bool:
+        """etp = tp: the expert tp group is the tp group, whose ranks hold the same tokens (docs/moe.md)."""
+        return self.expert_tp_size == self.tp_size
+
+    def expert_rank_of(self, etp_rank: int, ep_rank: int, expert_dp_rank: int, pp_rank: int) -> int:
+        """Global rank of the process at these expert coordinates (Megatron's expert order tp-ep-dp-pp)."""
+        etp, ep = self.expert_tp_size, self.ep_size
+        return pp_rank * (self.dp_size * self.tp_size) + (expert_dp_rank * ep + ep_rank) * etp + etp_rank
 
     @property
     def pp_rank(self) -> int:
@@ -139,6 +175,8 @@ class ParallelState:
 
     def describe(self) -> str:
         experts = f", ep {self.ep_rank}/{self.ep_size}" if self.ep_size > 1 else ""
+        if not self.experts_split_like_tp:
+            experts += f", expert tp {self.etp_rank}/{self.expert_tp_size}"
         return (
             f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}{experts}, "
             f"pp {self.pp_rank}/{self.pp_size} on {self.device} ({self.backend or 'no backend'})"
@@ -181,9 +219,11 @@ class ParallelState:
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id,
                                     **_restart_safe_store(timeout))
         dp, ep = world_size // (tp * pp), parallel.expert_model_parallel_size
-        if dp % ep != 0:
-            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp}")
-        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, rank=dist.get_rank())
+        etp = tp if parallel.expert_tensor_parallel_size is None else parallel.expert_tensor_parallel_size
+        if (tp * dp) % (etp * ep) != 0:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} * --expert-model-parallel-size {ep} does not "
+                              f"divide tp {tp} * dp {dp} (the ranks of one pipeline stage)")
+        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, etp_size=etp, rank=dist.get_rank())
         state.device, state.backend = device, backend
         state._build_groups()
         return state
@@ -224,29 +264,44 @@ class ParallelState:
             group = make(ranks)
             if me in ranks:
                 self.model_parallel_group = group
-        ep = self.ep_size
-        if ep > 1:  # expert-parallel and expert-data-parallel groups split each data-parallel group
+        ep, etp, edp = self.ep_size, self.expert_tp_size, self.expert_dp_size
+        if ep > 1 or etp != tp:  # the expert layout of each stage (Megatron's expert rank generator)
             for p in range(pp):
-                for t in range(tp):
-                    dp_ranks = [self.rank_of(t, d, p) for d in range(dp)]
-                    for start in range(0, dp, ep):
-                        ranks = dp_ranks[start : start + ep]
+                for d in range(edp):
+                    for e in range(ep):
+                        ranks = [self.expert_rank_of(t, e, d, p) for t in range(etp)]
+                        group = make(ranks) if etp != tp else self.tp_group  # etp = tp: these are the tp groups
+                        if me in ranks:
+                            self.etp_group = group
+                    for t in range(etp):
+                        ranks = [self.expert_rank_of(t, e, d, p) for e in range(ep)]
                         group = make(ranks)
                         if me in ranks:
                             self.ep_group = group
-                    for offset in range(ep):
-                        ranks = dp_ranks[offset::ep]
+                    ranks = [self.expert_rank_of(t, e, d, p) for e in range(ep) for t in range(etp)]
+                    group = make(ranks)
+                    if me in ranks:
+                        self.expert_tp_ep_group = group
+                for e in range(ep):
+                    for t in range(etp):
+                        ranks = [self.expert_rank_of(t, e, d, p) for d in range(edp)]
                         group = make(ranks)
                         if me in ranks:
                             self.expert_dp_group = group
+        else:  # no expert layout of its own: experts split and reduce like the dense MLP
+            self.etp_group, self.expert_tp_ep_group, self.expert_dp_group = self.tp_group, self.tp_group, self.dp_group
         # Groups of size one never need a collective; None makes that explicit to every caller.
         if tp == 1:
             self.tp_group = None
-        if ep == 1:
-            self.expert_dp_group = self.dp_group  # no expert parallelism: experts reduce like every other param
         if dp == 1:
             self.dp_group = None
-        if self.expert_dp_size == 1:
+        if ep == 1:
+            self.ep_group = None
+        if etp == 1:
+            self.etp_group = None
+        if etp * ep == 1:
+            self.expert_tp_ep_group = None
+        if edp == 1:
             self.expert_dp_group = None
         if pp == 1:
             self.pp_group = None

@@ -60,7 +60,7 @@ class _Segment:
     master: torch.Tensor  # [n] fp32 view of the master shard
     grad: torch.Tensor  # [n] fp32 view of the gradient shard (on the master's device)
     counted: bool  # counts toward the global norm on this rank
-    expert: bool = False  # an expert parameter's (MoE): replicated over expert-dp only, distinct over ep
+    expert: bool = False  # an expert parameter's (MoE): replicated over expert-dp only, distinct over etp x ep
 
 
 class DistributedOptimizer:
@@ -70,6 +70,7 @@ class DistributedOptimizer:
                  ps: ParallelState, cpu_offload: bool = False) -> None:
         self.data_parallel, self.config, self.ps = data_parallel, config, ps
         self.sharded = data_parallel.zero_stage >= 1 and ps.dp_size > 1
+        self.zero = data_parallel.zero_stage >= 1  # buckets hold 1 / (expert-)dp of the gradient
         self.scaler: LossScaler | None = build_loss_scaler(precision)
         self.cpu_offload = cpu_offload
         master_device = torch.device("cpu") if cpu_offload else ps.device
@@ -127,34 +128,39 @@ class DistributedOptimizer:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     # ---------------------------------------------------------------- the step
-    def _all_reduce_over_replica_world(self, value: torch.Tensor, op: str) -> torch.Tensor:
-        """Reduce a per-rank value over every rank holding a distinct part of the gradient."""
-        if self.sharded:
-            comm.all_reduce(value, self.ps.dp_group, op=op)
-        elif op == "max":  # unsharded, expert-parallel ranks still hold different experts
-            comm.all_reduce(value, self.ps.ep_group, op=op)
-        comm.all_reduce(value, self.ps.model_parallel_group, op=op)
-        return value
-
     def _unscale_and_check(self) -> bool:
         """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
         grads = [b.grad_shard for b in self.buckets]
         torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.tensor(True)
         found_inf = (~finite).float().reshape(1).to(self.ps.device)
-        return bool(self._all_reduce_over_replica_world(found_inf, "max").item() > 0)
+        # Over the whole world (dp, then tp x pp): shards and experts differ across dp and tp ranks.
+        comm.all_reduce(found_inf, self.ps.dp_group, op="max")
+        comm.all_reduce(found_inf, self.ps.model_parallel_group, op="max")
+        return bool(found_inf.item() > 0)
 
     def grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient (each parameter once, every stage and shard)."""
+        """L2 norm of the whole model's gradient (each parameter once, every stage and shard).
+
+        Dense parameters: ZeRO shards are distinct over dp, tp slices over tp, stages over pp. Expert parameters
+        (MoE, docs/moe.md): slices distinct over the ``etp x ep`` ranks of a stage, ZeRO shards over expert-dp;
+        summed over those, every rank of the stage holds the stage's expert total, which tp rank 0 adds once.
+        """
         def sum_of_squares(expert: bool) -> torch.Tensor:
             grads = [s.grad for s in self.segments if s.counted and s.expert == expert]
             squares = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
             return squares.reshape(1).to(device=self.ps.device, dtype=torch.float32)
 
         squares, expert_squares = sum_of_squares(False), sum_of_squares(True)
-        if not self.sharded:  # expert-parallel ranks hold different experts (sharded: the dp sum covers them)
-            comm.all_reduce(expert_squares, self.ps.ep_group)
-        return float(self._all_reduce_over_replica_world(squares + expert_squares, "sum").sqrt())
+        if self.zero:
+            comm.all_reduce(squares, self.ps.dp_group)
+        if any(bucket.is_expert for bucket in self.buckets):  # the same on every rank of a pipeline stage
+            if self.zero:
+                comm.all_reduce(expert_squares, self.ps.expert_dp_group)
+            comm.all_reduce(expert_squares, self.ps.expert_tp_ep_group)
+            squares += expert_squares if self.ps.tp_rank == 0 else 0.0
+        comm.all_reduce(squares, self.ps.model_parallel_group)
+        return float(squares.sqrt())
 
     @torch.no_grad()
     def step(self) -> StepResult:

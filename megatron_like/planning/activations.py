@@ -36,7 +36,10 @@ fewer than ``C``; exactly ``E C`` when padded):
 * a shared expert's MLP terms as a dense MLP of its hidden size (its input ``e``, split like the MLP input).
 
 With expert parallelism a rank runs its local experts on the pairs it receives: ``T k`` under balanced routing,
-the same ``N`` as one process. A stage's per-layer figure averages its MoE and dense layers over the model's
+the same ``N`` as one process. With ``--expert-tensor-parallel-size etp`` other than tp, a rank brings the
+``N / tp`` pairs of its sequence shard (and keeps their ``8 h`` un-permutation terms) and its experts, split
+over etp, run the ``N etp / tp`` pairs of their expert tp group: ``N etp / tp (h e + 3 f_e e / etp)``.
+A stage's per-layer figure averages its MoE and dense layers over the model's
 ``--moe-layer-freq`` pattern.
 
 These are the compiled kernels' figures (the default install, CPU and CUDA). The pure-PyTorch fallbacks
@@ -150,7 +153,12 @@ def moe_mlp_activation_bytes(config: Config) -> float:
     mlp_matrices = 3 if m.swiglu else 2
     router = 4 * tokens * h + (13 + (4 if e != 4 else 0)) * tokens * experts + 12 * tokens * m.moe_router_topk \
         + 12 * pairs
-    expert_terms = pairs * (h * e + mlp_matrices * m.moe_ffn_size * e / tp + 8 * h)
+    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    if etp == tp:
+        expert_terms = pairs * (h * e + mlp_matrices * m.moe_ffn_size * e / tp + 8 * h)
+    else:  # a rank brings its shard's pairs and its experts run those of the etp ranks of their group
+        own = pairs / tp
+        expert_terms = own * etp * (h * e + mlp_matrices * m.moe_ffn_size * e / etp) + own * 8 * h
     shared = 0.0
     if m.moe_shared_expert_intermediate_size:
         shared = e * tokens * h / (tp if p.sequence_parallel else 1) \

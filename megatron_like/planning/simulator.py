@@ -7,8 +7,9 @@ Per pipeline rank it then adds:
 
 * weights, gradients and optimizer state from the ZeRO table of ``megatron_like.distributed.memory``
   (fp32 ``main_grad``; fp32 masters when params are 16-bit; optimizer state in host memory with
-  ``--optimizer-cpu-offload``); with ``--num-experts`` the rank's ``E / ep`` experts (the meta model holds
-  only those) are sharded over the expert-data-parallel group of ``dp / ep`` ranks, the rest over dp;
+  ``--optimizer-cpu-offload``); with ``--num-experts`` the rank's ``E / ep`` experts, split over expert tp (the
+  meta model holds only those slices), are sharded over the expert-data-parallel group of
+  ``tp dp / (etp ep)`` ranks, the rest over dp;
 * with expert parallelism, the bytes each rank sends through the token dispatcher per iteration
   (:func:`expert_parallel_bytes`);
 * activations from :mod:`megatron_like.planning.activations` (micro batches alive under the pipeline
@@ -176,10 +177,10 @@ def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -
 
 def state_bytes(config: Config, stage: StageParams, param_bytes: int, separate_master: bool) -> StateBytes:
     """Weights, gradients and optimizer state of one rank: dense parameters ZeRO-sharded over dp, the rank's
-    experts over the expert-data-parallel group (``dp / ep`` ranks holding the same experts)."""
+    expert slices over the expert-data-parallel group (``tp dp / (etp ep)`` ranks holding the same ones)."""
     p, dp = config.parallel, config.data_parallel_size
     dense = theoretical_state_bytes(stage.total - stage.expert, dp, p.zero_stage, param_bytes, separate_master)
-    experts = theoretical_state_bytes(stage.expert, dp // p.expert_model_parallel_size, p.zero_stage, param_bytes,
+    experts = theoretical_state_bytes(stage.expert, expert_layout(config)[2], p.zero_stage, param_bytes,
                                       separate_master)
     return StateBytes(dense.params + experts.params, dense.grads + experts.grads, dense.optimizer + experts.optimizer)
 
@@ -192,36 +193,56 @@ def stage_moe_layers(config: Config, pp_rank: int) -> int:
                for layer in chunk_layers(m.num_layers, pp, pp_rank, vp, v))
 
 
+def expert_layout(config: Config) -> tuple[int, int, int]:
+    """``(etp, ep, expert_dp)``: the experts' layout over the ``tp x dp`` ranks of a stage (docs/moe.md)."""
+    p = config.parallel
+    tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
+    etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+    return etp, ep, tp * config.data_parallel_size // (etp * ep)
+
+
 def expert_parallel_bytes(config: Config, pp_rank: int) -> float:
     """Bytes one rank of stage ``pp_rank`` sends through the token dispatcher in one iteration (as
     ``collectives.count_traffic`` counts them), assuming balanced routing.
 
-    Per MoE layer and micro batch of ``T = s b`` tokens (whole on every tp rank), ``ep`` ranks, element size
-    ``e`` (fp32 where the code computes in fp32):
+    Per MoE layer and micro batch, a rank brings ``T`` tokens: the whole ``s b`` with expert tp = tp (the tp
+    ranks hold the same tokens), its sequence shard ``s b / tp`` otherwise. ``ep`` ranks, element size ``e``
+    (fp32 where the code computes in fp32):
 
     * ``alltoall``: each pass sends the ``T k (ep - 1) / ep`` pairs bound for other ranks' experts, ``h e``
       bytes each: dispatch and combine forward, their mirrors backward (4 passes), plus the ``E`` per-expert
-      counts (int64) once per forward;
+      counts (int64) once per forward. With etp != tp the ``T k`` pairs a rank receives also go to the other
+      ``etp - 1`` ranks of its expert tp group and their partial outputs come back (4 more passes of
+      ``(etp - 1) T k`` rows), plus the all-gather of the ``E`` received counts;
     * ``allgather``: forward all-gathers tokens (``e``), router probabilities (fp32 ``[T, E]``) and routing map
-      (uint8) and reduce-scatters the fp32 outputs, each a ring sending ``(ep - 1) T`` rows; backward
-      reduce-scatters the token and probability gradients and all-gathers the fp32 output gradient.
+      (uint8) and reduce-scatters the fp32 outputs, each a ring sending ``(G - 1) T`` rows over the ``G``
+      ranks holding one copy of every expert (``ep``, or ``etp ep`` with etp != tp); backward reduce-scatters
+      the token and probability gradients and all-gathers the fp32 output gradient.
 
+    Not counted: the layer's own sequence-parallel gathers (of its input, to route the whole micro batch).
     Full recomputation runs the forward's collectives again for the recomputed layers.
     """
     p, m = config.parallel, config.model
-    ep = p.expert_model_parallel_size
-    if ep == 1 or m.num_experts is None:
+    etp, ep, _ = expert_layout(config)
+    own_tokens = etp != p.tensor_model_parallel_size  # each rank brings its own sequence shard
+    group = etp * ep if own_tokens else ep
+    if group == 1 or m.num_experts is None:
         return 0.0
     from megatron_like.planning.activations import element_bytes
 
     tokens, h, e, experts, k = (m.seq_length * config.training.micro_batch_size, m.hidden_size,
                                 element_bytes(config), m.num_experts, m.moe_router_topk)
+    if own_tokens:
+        tokens //= p.tensor_model_parallel_size
     if m.moe_token_dispatcher_type == "alltoall":
         one_pass = tokens * k * (ep - 1) / ep * h * e
         counts = 8 * experts * (ep - 1) / ep
+        if own_tokens:
+            one_pass += (etp - 1) * tokens * k * h * e
+            counts += 8 * experts * (etp - 1)
         forward, backward = 2 * one_pass + counts, 2 * one_pass
     else:
-        rows = (ep - 1) * tokens
+        rows = (group - 1) * tokens
         forward = rows * (h * e + 4 * experts + experts + 4 * h)
         backward = rows * (h * e + 4 * experts + 4 * h)
     recomputed = 0.0
@@ -261,6 +282,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     single = copy.deepcopy(config)
     single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
     single.parallel.expert_model_parallel_size = 1
+    single.parallel.expert_tensor_parallel_size = None
     single.parallel.num_layers_per_virtual_pipeline_stage = None
     single.world_size = 1
     whole = stage_params(single, padded_vocab_size, 0)
@@ -286,8 +308,10 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
 def format_plan(plan: Plan, device_memory_gib: float) -> str:
     """The per-rank table and summary lines ``tools/plan.py`` prints."""
     c, p = plan.config, plan.config.parallel
-    ep = p.expert_model_parallel_size
-    experts = f", ep {ep} (expert-dp {c.data_parallel_size // ep})" if ep > 1 else ""
+    etp, ep, edp = expert_layout(c)
+    experts = f", ep {ep} (expert-dp {edp})" if ep > 1 else ""
+    if etp != p.tensor_model_parallel_size:
+        experts = f", experts etp {etp} x ep {ep} x expert-dp {edp}"
     active = f" (active per token: {plan.active_params / 1e9:.3f} B)" if plan.active_params != plan.total_params else ""
     lines = [
         f" > plan: world {c.world_size} = tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size}"

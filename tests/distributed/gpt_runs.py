@@ -54,9 +54,11 @@ def _collect_parameters(model: list[torch.nn.Module], ps: ParallelState, out: di
             if getattr(param, "shared_embedding", False):
                 continue  # the last stage's copy of the tied embedding; the first stage reports it
             tensor = param.detach()
+            expert = getattr(param, "expert_parallel", False)  # MoE: split over expert tp, experts over ep
             if getattr(param, "tensor_model_parallel", False):
-                tensor = comm.all_gather_along_dim(tensor, ps.tp_group, dim=param.partition_dim)
-            if getattr(param, "expert_parallel", False):  # MoE: [E / ep, ...] -> every expert, in order
+                tp_group = ps.etp_group if expert else ps.tp_group
+                tensor = comm.all_gather_along_dim(tensor, tp_group, dim=param.partition_dim)
+            if expert:  # [E / ep, ...] -> every expert, in order
                 tensor = comm.all_gather_along_dim(tensor, ps.ep_group, dim=0)
             # float32: bf16 has no numpy dtype to cross the process boundary in (and compares the same).
             out[global_name(chunk, name)] = tensor.to(torch.float32, copy=True)

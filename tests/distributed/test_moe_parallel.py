@@ -7,6 +7,11 @@ of four processes: ep 4 (every rank its own expert), ep 2 inside dp 4 (expert-da
 ep 2 x tp 2 with sequence parallelism, ep 2 x pp 2 with virtual stages and full recompute; both
 dispatchers; ZeRO 0 to 3; with and without capacity dropping (which needs every layout to drop the same
 tokens: capacity is per micro batch and the whole sequence, whatever tp and ep).
+
+Expert tensor parallelism other than tp (the experts' own layout etp x ep x expert-dp over the tp x dp ranks):
+etp 1 inside tp 2 (the tp ranks become expert-parallel ranks: ep 2 with expert-dp 2, ep 4 across tp and dp)
+and etp 2 with tp 1 (two data-parallel ranks split each expert, the dispatcher gathers their pairs; with and
+without ep).
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ def zero(stage: int) -> list[str]:
     return ["--zero-stage", str(stage)]
 
 
+def etp(size: int) -> list[str]:
+    return ["--expert-tensor-parallel-size", str(size)]
+
+
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
 CASES: dict[str, list[str]] = {
     "ep4-alltoall-zero1": ep(4) + ALLTOALL + zero(1),
     "ep2-dp4-allgather-zero0": ep(2) + ALLGATHER,
@@ -48,6 +60,11 @@ CASES: dict[str, list[str]] = {
     "ep2-pp2-vp2-allgather-recompute-full": ep(2) + ALLGATHER + [
         "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "etp1-tp2-sp-ep2-alltoall-zero1-capacity": ep(2) + etp(1) + TP2_SP + ALLTOALL + zero(1) + CAPACITY,
+    "etp1-tp2-sp-ep2-allgather-zero3": ep(2) + etp(1) + TP2_SP + ALLGATHER + zero(3),
+    "etp1-tp2-sp-ep4-alltoall": ep(4) + etp(1) + TP2_SP + ALLTOALL,
+    "etp2-tp1-ep2-alltoall-zero3-capacity": ep(2) + etp(2) + ALLTOALL + zero(3) + CAPACITY,
+    "etp2-tp1-ep1-allgather-zero2": etp(2) + ALLGATHER + zero(2),
 }
 
 
@@ -88,15 +105,43 @@ def test_moe_reference_learns_and_drops_tokens() -> None:
     assert abs(dropped["losses"][0] - plain["losses"][0]) > 1e-4
 
 
+def test_expert_layout_is_megatrons_expert_rank_generator() -> None:
+    """Within a stage, expert tp is innermost, then ep, then expert-dp (Megatron-core's order tp-ep-dp-pp)."""
+    from megatron_like.parallel_state import ParallelState
+
+    def coords(tp: int, dp: int, pp: int, etp: int | None, ep: int) -> list[tuple[int, int, int]]:
+        states = [ParallelState(tp_size=tp, dp_size=dp, pp_size=pp, etp_size=etp, ep_size=ep, rank=r)
+                  for r in range(tp * dp * pp)]
+        for ps in states:
+            assert ps.expert_rank_of(ps.etp_rank, ps.ep_rank, ps.expert_dp_rank, ps.pp_rank) == ps.rank
+        return [(ps.etp_rank, ps.ep_rank, ps.expert_dp_rank) for ps in states]
+
+    # etp = tp: ep over consecutive data-parallel ranks of one tp rank (the layout before etp existed)
+    assert coords(2, 2, 1, None, 2) == [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)]
+    # tp 2, etp 1: the two tp ranks of a data-parallel replica are two expert-parallel ranks
+    assert coords(2, 2, 1, 1, 2) == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1)]
+    # tp 1, etp 2: two data-parallel ranks split each expert; per pipeline stage
+    assert coords(1, 2, 2, 2, 1) == [(0, 0, 0), (1, 0, 0)] * 2
+    assert ParallelState(tp_size=2, dp_size=4, etp_size=1, ep_size=4).expert_dp_size == 2
+
+
 @pytest.mark.parametrize("flags,message", [
-    (ep(3) + ["--num-experts", "6"], "does not divide the data-parallel size 4"),
+    (ep(3) + ["--num-experts", "6"], "does not divide --tensor-model-parallel-size 1 * the data-parallel size 4"),
+    (ep(2) + etp(4) + ["--num-experts", "4"], "--expert-model-parallel-size 2 * --expert-tensor-parallel-size 4 "
+     "does not divide"),
     (ep(4) + ["--num-experts", "6"], "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--moe-router-topk", "5"], "--moe-router-topk 5 must be in [1, --num-experts 4]"),
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], "needs --moe-expert-capacity-factor"),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0]"], "gives 2 layers but --num-layers is 4"),
     (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
     (ep(2), "--expert-model-parallel-size 2 needs --num-experts"),
-    (["--num-experts", "4", "--expert-tensor-parallel-size", "2"], "must equal --tensor-model-parallel-size 1"),
+    (etp(2), "--expert-tensor-parallel-size 2 needs --num-experts"),
+    (etp(0) + ["--num-experts", "4"], "--expert-tensor-parallel-size 0 must be at least 1"),
+    (etp(1) + ["--num-experts", "4", "--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+    (etp(4) + ["--num-experts", "4", "--moe-ffn-hidden-size", "6"],
+     "--moe-ffn-hidden-size 6 is not divisible by --expert-tensor-parallel-size 4"),
+    (etp(1) + TP2_SP + ["--num-experts", "4", "--load", "/tmp/x"],
+     "--save/--load with --expert-tensor-parallel-size 1 other than --tensor-model-parallel-size 2"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
 ])
 def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str) -> None:

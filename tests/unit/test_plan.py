@@ -227,3 +227,13 @@ def test_moe_plan_counts_the_built_models_total_and_active_parameters():
     assert rank.params == total - expert_params // 2
     dense = rank.params - rank.expert_params
     assert rank.optimizer_bytes == pytest.approx(8 * (dense / 4 + rank.expert_params / 2), rel=1e-6)  # fp32 Adam
+
+    # Expert tp 1 inside tp 2 (sequence parallel): a rank holds whole experts, E / ep of them, sharded by ZeRO over
+    # tp dp / (etp ep) = 2 ranks; at etp = tp 2 it holds half of each and the expert-dp group is dp / ep = 1 rank.
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    for etp, held, expert_dp in ((["--expert-tensor-parallel-size", "1"], expert_params // 2, 2),
+                                 ([], expert_params // 4, 1)):
+        rank = plan_run(parse_config(MIXTRAL_TINY + layout + tp2 + etp, world_size=4), vocab, device="cpu").ranks[0]
+        assert rank.expert_params == held
+        dense = rank.params - rank.expert_params
+        assert rank.optimizer_bytes == pytest.approx(8 * (dense / 2 + held / expert_dp), rel=1e-6)

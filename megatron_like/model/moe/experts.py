@@ -1,10 +1,12 @@
 """The experts this rank holds: ``E_local`` MLPs stored as two stacked weights (Megatron-LM's GroupedMLP).
 
-``weight1 [E_local, h, F1 / tp]`` (F1 = ffn, or 2 ffn of interleaved (gate, up) pairs with ``--swiglu``) and
-``weight2 [E_local, ffn / tp, h]``: expert e computes ``act(x @ weight1[e]) @ weight2[e]`` on its contiguous
-block of the permuted tokens. Each expert is split over tensor parallelism like the dense MLP (column-split
-first matmul, row-split second); its values are expert e's slice of the weight the single-process model
-draws from the generator named ``layers.<l>.mlp.experts.<e>.fc1.weight`` (``fc2``), whatever the layout.
+``weight1 [E_local, h, F1 / etp]`` (F1 = ffn, or 2 ffn of interleaved (gate, up) pairs with ``--swiglu``) and
+``weight2 [E_local, ffn / etp, h]``: expert e computes ``act(x @ weight1[e]) @ weight2[e]`` on its contiguous
+block of the permuted tokens. Each expert is split over expert tensor parallelism (``etp``, by default tp) like
+the dense MLP (column-split first matmul, row-split second); its values are expert e's slice of the weight the
+single-process model draws from the generator named ``layers.<l>.mlp.experts.<e>.fc1.weight`` (``fc2``),
+whatever the layout. The output is this rank's partial sum over the etp ranks: with etp = tp the experts sum it
+themselves (``sum_group``, every tp rank holds the same tokens); otherwise the dispatcher reduce-scatters it.
 
 ``grouped_matmul`` is where ``--moe-grouped-gemm`` switches to the grouped GEMM kernel
 (``megatron_like.kernels.grouped_gemm.grouped_gemm``: one call for all experts); without it, one matmul per expert.
@@ -42,39 +44,43 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
 
 
 class GroupedExperts(nn.Module):
-    """``E / ep`` experts of one MoE layer on this rank: ``[M, h]`` expert-major tokens -> ``[M, h]``."""
+    """``E / ep`` experts of one MoE layer on this rank: ``[M, h]`` expert-major tokens -> ``[M, h]``.
+
+    ``etp_rank``/``etp_size`` pick this rank's slice of each expert; ``sum_group`` is the group the partial
+    outputs are all-reduced over here (the etp group when its ranks hold the same tokens, else None).
+    """
 
     def __init__(self, config: ModelConfig, layer: int, seed: int, num_local: int, first_expert: int,
-                 tp_group: Group, tp_rank: int, tp_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 sum_group: Group, etp_rank: int, etp_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, ffn = config.hidden_size, config.moe_ffn_size
-        self.swiglu, self.tp_group = config.swiglu, tp_group
+        self.swiglu, self.sum_group = config.swiglu, sum_group
         self.use_grouped_gemm = config.moe_grouped_gemm
         fc1_rows = 2 * ffn if config.swiglu else ffn
         std, scaled_std = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
         experts = range(first_expert, first_expert + num_local)
 
         def fill(out: torch.Tensor, name: str, full_shape: tuple[int, int], partition_dim: int, std: float) -> None:
-            # out [E_local, in, out / tp] holds the transposed tp slice of each expert's linear weight [out, in]
+            # out [E_local, in, out / etp] holds the transposed etp slice of each expert's linear weight [out, in]
             for local, expert in enumerate(experts):
                 piece = torch.empty(out.shape[2], out.shape[1], dtype=out.dtype, device=out.device)
                 generator = init_generator(seed, f"layers.{layer}.mlp.experts.{expert}.{name}.weight")
-                draw_slice(piece, normal_init(std), generator, full_shape, partition_dim, tp_rank, tp_size)
+                draw_slice(piece, normal_init(std), generator, full_shape, partition_dim, etp_rank, etp_size)
                 out[local].copy_(piece.t())
 
-        self.weight1 = new_parameter((num_local, h, fc1_rows // tp_size), dtype, device,
+        self.weight1 = new_parameter((num_local, h, fc1_rows // etp_size), dtype, device,
                                      lambda out: fill(out, "fc1", (fc1_rows, h), 0, std))
-        self.weight2 = new_parameter((num_local, ffn // tp_size, h), dtype, device,
+        self.weight2 = new_parameter((num_local, ffn // etp_size, h), dtype, device,
                                      lambda out: fill(out, "fc2", (h, ffn), 1, scaled_std))
         for weight, split_dim in ((self.weight1, 2), (self.weight2, 1)):
-            weight.tensor_model_parallel, weight.partition_dim = True, split_dim
+            weight.tensor_model_parallel, weight.partition_dim = True, split_dim  # split over etp (maybe 1)
             weight.sequence_parallel = False
             weight.expert_parallel = True  # reduced over the expert-data-parallel group (distributed/buffers.py)
 
     def forward(self, tokens: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``tokens [M, h]`` in blocks of ``tokens_per_expert [E_local]`` -> ``[M, h]`` (summed over tp)."""
-        tokens = copy_to_tensor_parallel_region(tokens, self.tp_group)  # backward: sum the tp ranks' partial grads
+        """``tokens [M, h]`` in blocks of ``tokens_per_expert [E_local]`` -> ``[M, h]`` (summed over ``sum_group``)."""
+        tokens = copy_to_tensor_parallel_region(tokens, self.sum_group)  # backward: sum the ranks' partial grads
         hidden = grouped_matmul(tokens, self.weight1, tokens_per_expert, self.use_grouped_gemm)
         hidden = fused_swiglu(hidden) if self.swiglu else F.gelu(hidden, approximate="tanh")
         partial = grouped_matmul(hidden, self.weight2, tokens_per_expert, self.use_grouped_gemm)
-        return reduce_from_tensor_parallel_region(partial, self.tp_group)
+        return reduce_from_tensor_parallel_region(partial, self.sum_group)
