@@ -181,6 +181,26 @@ def run_script(script: str, *args: object, check: bool = True, timeout: float = 
     return subprocess.CompletedProcess([sys.executable, script, *argv], code, out, err)
 
 
+def forked_torchrun_command(command: list[str], **_: object) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(command, capture_output=True, text=True)`` returns for a ``python -m
+    torch.distributed.run ... script args`` command that a tool builds, with the ranks forked as ``launch`` forks
+    them: the command is parsed by torchrun's own argument parser (a flag torchrun would refuse fails here too), and
+    ``--nproc_per_node`` ranks run ``script args`` with torchrun's rank variables. For tests of a tool that starts
+    torchrun (stand in for its ``subprocess.run``); the launcher itself is tested with ``torchrun``."""
+    from torch.distributed.run import get_args_parser
+
+    from tests.distributed.harness import run_distributed
+
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"], command
+    args = get_args_parser().parse_args(command[3:])
+    assert not args.module and not args.no_python, command
+    results = run_distributed(_run_script_rank, int(args.nproc_per_node), args.training_script,
+                              list(args.training_script_args), True, False)
+    code = next((c for c, _, _ in results if c != 0), 0)
+    return subprocess.CompletedProcess(command, code, "".join(o for _, o, _ in results),
+                                       "".join(e for _, _, e in results))
+
+
 def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:
     """Launch ``script`` on ``nproc`` CPU processes; return stdout (raise with the output on failure)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
