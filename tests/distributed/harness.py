@@ -66,7 +66,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, a
 # Ranks start from a fork server that has imported torch and the trainer once: a spawned rank spent ~3 s of
 # CPU importing them, over a thousand rank starts per suite on 2 cores. The server never runs a torch op
 # (no thread pool to fork), and each rank still gets a fresh process with its own process group.
-_PRELOAD = ["torch", "numpy", "megatron_like.training", "megatron_like.inference", "tests.distributed.gpt_runs"]
+# torch._dynamo (with sympy) too: every rank imports it on its first torch.optim optimizer (add_param_group is
+# wrapped in torch._disable_dynamo, which imports it), ~1.5 s of CPU per rank; importing it starts no thread.
+_PRELOAD = ["torch", "torch._dynamo", "numpy", "megatron_like.training", "megatron_like.inference",
+            "tests.distributed.gpt_runs"]
 
 
 def _context() -> mp.context.BaseContext:

@@ -80,10 +80,11 @@ LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"
 
 
 def _run_script_rank(rank: int, world_size: int, script: str, argv: list[str], launched: bool,
-                     check: bool) -> tuple[int, str, str]:
+                     check: bool, output_dir: str | None = None) -> tuple[int, str, str]:
     """In a harness rank: ``python script *argv``, as a torchrun worker when ``launched`` (else without the
     launcher's variables, as from a shell); return (exit code, stdout, stderr), captured at the file
-    descriptors (C++ and child-process output included)."""
+    descriptors (C++ and child-process output included). With ``output_dir`` they are captured in
+    ``rank{rank}.out`` / ``.err`` there, readable while the script runs."""
     import multiprocessing
     import runpy
     import tempfile
@@ -102,7 +103,12 @@ def _run_script_rank(rank: int, world_size: int, script: str, argv: list[str], l
     sys.argv = [path, *argv]
     sys.path.insert(0, os.path.dirname(path))  # what `python script` puts first on the path
     code = 0
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+    def capture(suffix: str):
+        if output_dir is None:
+            return tempfile.TemporaryFile("w+")
+        return open(os.path.join(output_dir, f"rank{rank}.{suffix}"), "w+")
+
+    with capture("out") as out, capture("err") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         saved = os.dup(1), os.dup(2)
@@ -141,12 +147,34 @@ def launch(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeou
 
 
 class Launched:
-    """The ranks of a long-running script (a server) started as ``launch`` starts them, not waited for."""
+    """The ranks of a long-running script (a server) started as ``launch`` starts them, not waited for.
 
-    def __init__(self, nproc: int, flags: list[str], script: str) -> None:
+    With ``output_dir``, rank r's stdout and stderr grow in ``output_dir/rank{r}.out`` / ``.err`` as it runs."""
+
+    def __init__(self, nproc: int, flags: list[str], script: str, output_dir: str | None = None) -> None:
         from tests.distributed.harness import start_distributed
 
-        self.processes, self._results = start_distributed(_run_script_rank, nproc, script, list(flags), True, False)
+        self.processes, self._results = start_distributed(_run_script_rank, nproc, script, list(flags), True, False,
+                                                          output_dir)
+        self._reported: dict[int, tuple[bool, object]] = {}
+
+    def _collect(self) -> None:
+        while not self._results.empty():
+            rank, ok, value = self._results.get()
+            self._reported[rank] = ok, value
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        """The exit status of rank ``rank``'s script once it ended, None if it still runs after ``timeout`` s: the
+        script's ``sys.exit`` code (1 for an exception), or the process's own status when it died or ``os._exit``-ed."""
+        process = self.processes[rank]
+        process.join(timeout)
+        if process.exitcode is None:
+            return None
+        self._collect()
+        if rank in self._reported:
+            ok, value = self._reported[rank]
+            return value[0] if ok else 1
+        return process.exitcode
 
     def poll(self) -> int | None:
         """None while every rank runs, else the exit code of the first that ended (as ``Popen.poll``)."""
@@ -164,9 +192,9 @@ class Launched:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._collect()
         outputs = []
-        while not self._results.empty():
-            rank, ok, value = self._results.get()
+        for rank, (ok, value) in sorted(self._reported.items()):
             outputs.append(f"rank {rank}: {value[1]}{value[2]}" if ok else f"rank {rank}: {value}")
         return "\n".join(outputs)
 
@@ -179,6 +207,26 @@ def run_script(script: str, *args: object, check: bool = True, timeout: float = 
     argv = [str(a) for a in args]
     [(code, out, err)] = run_distributed(_run_script_rank, 1, script, argv, False, check, timeout=timeout)
     return subprocess.CompletedProcess([sys.executable, script, *argv], code, out, err)
+
+
+def forked_torchrun_command(command: list[str], **_: object) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(command, capture_output=True, text=True)`` returns for a ``python -m
+    torch.distributed.run ... script args`` command that a tool builds, with the ranks forked as ``launch`` forks
+    them: the command is parsed by torchrun's own argument parser (a flag torchrun would refuse fails here too), and
+    ``--nproc_per_node`` ranks run ``script args`` with torchrun's rank variables. For tests of a tool that starts
+    torchrun (stand in for its ``subprocess.run``); the launcher itself is tested with ``torchrun``."""
+    from torch.distributed.run import get_args_parser
+
+    from tests.distributed.harness import run_distributed
+
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"], command
+    args = get_args_parser().parse_args(command[3:])
+    assert not args.module and not args.no_python, command
+    results = run_distributed(_run_script_rank, int(args.nproc_per_node), args.training_script,
+                              list(args.training_script_args), True, False)
+    code = next((c for c, _, _ in results if c != 0), 0)
+    return subprocess.CompletedProcess(command, code, "".join(o for _, o, _ in results),
+                                       "".join(e for _, _, e in results))
 
 
 def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", timeout: float = 300) -> str:

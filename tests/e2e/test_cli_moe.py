@@ -1,6 +1,7 @@
 """The MoE issue's "Done when" through the command line: a tiny mixture-of-experts model (Megatron-LM's
-flags) trained by torchrun at ep2 x tp2 with sequence parallelism and the all-to-all dispatcher logs the
-lm loss and the router losses (load_balancing_loss, z_loss lines) of one process; ``--help`` lists the flags.
+flags) trained on 4 ranks (as torchrun starts them: tests/e2e/cli.py's launch) at ep2 x tp2 with sequence
+parallelism and the all-to-all dispatcher logs the lm loss and the router losses (load_balancing_loss, z_loss
+lines) of one process; ``--help`` lists the flags.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_like.config import build_parser
-from tests.e2e.cli import ISSUE_FLAGS, in_process_run, logged_losses, logged_values, torchrun
+from tests.e2e.cli import ISSUE_FLAGS, in_process_run, launch, logged_losses, logged_values
 
 MOE_FLAGS = ISSUE_FLAGS + [
     "--train-iters", "3", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
@@ -20,7 +21,7 @@ EP2_TP2_SP = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size
 
 
 def test_moe_ep2_tp2_logs_the_losses_and_router_losses_of_one_process():
-    output = torchrun(4, MOE_FLAGS + EP2_TP2_SP)
+    output = launch(4, MOE_FLAGS + EP2_TP2_SP)
     expected = in_process_run(MOE_FLAGS)
     losses = logged_losses(output)
     assert sorted(losses) == [1, 2, 3]

@@ -1,9 +1,9 @@
 """Fault behaviour of real ``pretrain_gpt.py`` processes.
 
 * A rank that hangs (SIGSTOP) or dies (SIGKILL) makes the other one exit non-zero within
-  ``--distributed-timeout-minutes`` instead of waiting forever. The two ranks are started as plain
-  processes with torchrun's environment variables: torchrun itself would tear the job down on a death
-  and hide what the ranks do on their own.
+  ``--distributed-timeout-minutes`` instead of waiting forever. The two ranks run the script in processes
+  forked from the harness's server with torchrun's environment variables (tests/e2e/cli.py's ``Launched``),
+  not under torchrun: its agent would tear the job down on a death and hide what the ranks do on their own.
 * Under ``torchrun --max-restarts 1`` with ``--save D --load D``: the first attempt starts from scratch;
   after a worker is killed torchrun restarts both, which resume from the newest checkpoint; SIGTERM to
   one rank (what SLURM and torchrun send on preemption) makes *every* rank save the same iteration and
@@ -17,9 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from tests.distributed.harness import free_port
-from tests.e2e.cli import ROOT
+from tests.e2e.cli import ROOT, Launched
 
 
 def gpt_flags(train_iters: int = 100000) -> list[str]:
@@ -30,19 +30,6 @@ def gpt_flags(train_iters: int = 100000) -> list[str]:
 
 
 TIMEOUT_MINUTES = 0.1  # 6 s
-
-
-def launch(flags: list[str], world_size: int = 2) -> list[subprocess.Popen]:
-    """Start ``world_size`` ranks of pretrain_gpt.py (stdout+stderr merged, line-buffered)."""
-    port = free_port()
-    ranks = []
-    for rank in range(world_size):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)}
-        ranks.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *flags], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return ranks
 
 
 def wait_for_line(process: subprocess.Popen, needle: str, timeout: float = 120.0) -> list[str]:
@@ -78,27 +65,44 @@ def finish(process: subprocess.Popen, timeout: float) -> tuple[int, str]:
         return None, out
 
 
-def test_hung_or_dead_rank_makes_the_other_exit_nonzero_within_the_timeout():
+def wait_for_file_line(path: Path, needle: str, process, timeout: float = 120.0) -> None:
+    """Wait until the file ``path`` (a running rank's stdout) holds a line containing ``needle``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if needle in text:
+            return
+        if not process.is_alive():
+            raise AssertionError(f"the rank ended before {needle!r}:\n{text}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {needle!r} within {timeout} s:\n{text}")
+
+
+def test_hung_or_dead_rank_makes_the_other_exit_nonzero_within_the_timeout(tmp_path):
     # tp 2: the ranks meet in synchronous collectives. (With dp 2, a SIGSTOPped peer was seen once in
     # ~5 loaded runs to leave the survivor in the async bucket reduction's work.wait() past the timeout.)
     flags = gpt_flags() + ["--distributed-timeout-minutes", str(TIMEOUT_MINUTES), "--tensor-model-parallel-size", "2"]
     faults = (signal.SIGSTOP, signal.SIGKILL)
-    pairs = {fault: launch(flags) for fault in faults}  # both scenarios at once: half the wall time
+    logs = {fault: tmp_path / fault.name for fault in faults}
+    for log in logs.values():
+        log.mkdir()
+    pairs = {fault: Launched(2, flags, "pretrain_gpt.py", output_dir=str(logs[fault])) for fault in faults}  # at once
     results = {}
     try:
-        for fault, (_, rank1) in pairs.items():
-            wait_for_line(rank1, "iteration        3/")  # the last rank prints the log
+        for fault, pair in pairs.items():  # the last rank prints the log
+            wait_for_file_line(logs[fault] / "rank1.out", "iteration        3/", pair.processes[1])
         start = time.monotonic()
-        for fault, (rank0, _) in pairs.items():
-            os.kill(rank0.pid, fault)
-        for fault, (_, rank1) in pairs.items():
-            code, out = finish(rank1, timeout=TIMEOUT_MINUTES * 60 + 80)
+        for fault, pair in pairs.items():
+            os.kill(pair.processes[0].pid, fault)
+        for fault, pair in pairs.items():
+            code = pair.wait(1, timeout=TIMEOUT_MINUTES * 60 + 80)
+            out = (logs[fault] / "rank1.out").read_text() + (logs[fault] / "rank1.err").read_text()
             results[fault] = (code, out, time.monotonic() - start)
     finally:
-        for process in (p for pair in pairs.values() for p in pair):
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+        for process in (p for pair in pairs.values() for p in pair.processes):
+            if process.is_alive():
+                process.kill()  # also ends a SIGSTOPped process
+                process.join()
     for fault, (code, out, waited) in results.items():
         assert code is not None, f"{fault.name}: the surviving rank hung:\n{out[-3000:]}"
         assert code != 0, f"{fault.name}: the surviving rank exited 0:\n{out[-3000:]}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sysconfig
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,12 +43,15 @@ def test_expected_cuda_sources_exist():
 
 
 def test_cuda_sources_compile(tmp_path):
-    # The files are independent: compile them concurrently to keep the test short.
-    with ThreadPoolExecutor(max_workers=len(SOURCES)) as pool:
-        results = list(pool.map(lambda s: nvcc_compile(s, tmp_path, ["-Werror", "all-warnings"]), SOURCES))
-    for source, result in zip(SOURCES, results):
-        assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr}"
-        assert (tmp_path / f"{source.stem}.o").stat().st_size > 0
+    # One translation unit that includes every source (by absolute path, so errors name the file and line): nvcc
+    # parses the CUDA headers once instead of once per file (~5 s of CPU instead of ~17 s for the seven files).
+    # Every kernel is still compiled for sm_80 with warnings as errors; what one unit cannot see is a file that
+    # forgets an #include an earlier file brings in (setup.py's per-file build on a CUDA machine would).
+    combined = tmp_path / "all_kernels.cu"
+    combined.write_text("".join(f'#include "{source}"\n' for source in SOURCES))
+    result = nvcc_compile(combined, tmp_path, ["-Werror", "all-warnings"])
+    assert result.returncode == 0, f"nvcc failed:\n{result.stderr}"
+    assert (tmp_path / "all_kernels.o").stat().st_size > 0
 
 
 @pytest.mark.slow

@@ -107,19 +107,25 @@ def test_inference_loaders_read_torch_dist_like_the_torch_format(tmp_path):
     assert torch.equal(logits[0], logits[1])
 
 
-def test_reshard_tool_command_line_converts_torch_through_torch_dist_and_refuses_needless_work(tmp_path, capsys):
+def test_reshard_tool_command_line_converts_torch_through_torch_dist_and_refuses_needless_work(tmp_path, capsys,
+                                                                                              monkeypatch):
     """tools/checkpoint_reshard.py on the command line: a one-process torch checkpoint becomes a torch one of
     tp 2 in two torchrun passes (torch -> torch_dist at tp 1, torch_dist -> torch at tp 2; the temporary copy
-    is removed); torch_dist -> torch_dist is refused. (Resuming from its results: test_checkpoint_reshard.py.)"""
-    import sys
+    is removed); torch_dist -> torch_dist is refused. (Resuming from its results: test_checkpoint_reshard.py.)
 
-    from tests.e2e.cli import ROOT
+    The tool's torchrun commands are parsed by torchrun's parser and their ranks forked from the harness's
+    server (cli.forked_torchrun_command): two real torchruns started five fresh interpreters."""
+    import sys
+    import types
+
+    from tests.e2e.cli import ROOT, forked_torchrun_command
 
     train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "torch"), "--ckpt-format", "torch"])
     train_gpt(0, 1, ["--train-iters", "1", "--save", str(tmp_path / "dist")])
     sys.path.insert(0, str(ROOT / "tools"))
     import checkpoint_reshard
 
+    monkeypatch.setattr(checkpoint_reshard, "subprocess", types.SimpleNamespace(run=forked_torchrun_command))
     out = tmp_path / "tp2"
     assert checkpoint_reshard.main(["--load", str(tmp_path / "torch"), "--save", str(out), "--ckpt-format", "torch",
                                     "--target-tensor-model-parallel-size", "2"]) == 0
