@@ -14,7 +14,8 @@ and no faster on the weight gradient, so:
 The choice is made by a fixed rule, never by timing, so a run is reproducible:
 
 - ``mkl``: always ``F.linear``.
-- ``onednn``: oneDNN for every fp32 CPU linear (outside ``torch.compile``, which picks its own kernels).
+- ``onednn``: oneDNN for every fp32 CPU linear (outside ``torch.compile``, which picks its own kernels, and
+  ``torch.export``, whose graphs stay portable).
 - ``auto`` (default): ``onednn`` on AMD CPUs (``vendor_id`` AuthenticAMD in /proc/cpuinfo) for GEMMs of
   at least ``ONEDNN_MIN_MACS`` multiply-adds, ``mkl`` otherwise. Below that size oneDNN's fixed cost per
   call (about 30 us more than MKL at 64 x 64 x 192) outweighs its faster kernel. On Intel CPUs MKL is
@@ -97,7 +98,8 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
     """``x [..., in] @ weight[out, in]^T + bias`` -> ``[..., out]`` with the GEMM library of ``backend``
-    (from ``resolve_backend``); anything but fp32 on CPU outside ``torch.compile`` goes to ``F.linear``."""
+    (from ``resolve_backend``); anything but fp32 on CPU outside ``torch.compile``/``torch.export`` goes to
+    ``F.linear`` (the compilers pick their own kernels; an exported graph stays portable)."""
     if (
         backend == "mkl"
         or x.device.type != "cpu"
@@ -105,6 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bac
         or weight.dtype != torch.float32
         or (bias is not None and bias.dtype != torch.float32)
         or torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
     ):
         return F.linear(x, weight, bias)
     if backend == "auto_onednn" and x.numel() * weight.shape[0] < ONEDNN_MIN_MACS:
