@@ -6,10 +6,12 @@ rope, RMSNorm, SwiGLU with ffn 1408, 2 query groups, no biases, untied output la
 random tokens, same optimizer (torch AdamW, fused), dropout off in both. Trials alternate between the two
 models so a slow period of the machine hits both. Each step is timed twice: wall clock (tokens/s) and the
 process's CPU time (``time.process_time``, all threads), whose ratio moves less when other jobs share the
-cores. MFU is model FLOPs per second (``6 N + 12 L h s`` per
+cores. Our linears use ``--cpu-gemm-backend`` (default auto: oneDNN on AMD CPUs, see
+megatron_like/tensor_parallel/cpu_gemm.py); ``--also-mkl`` adds a third side, ours with MKL's GEMM, to show
+what the oneDNN choice is worth. MFU is model FLOPs per second (``6 N + 12 L h s`` per
 token, LM head included) over the fp32 matmul rate measured in the same run.
 
-    .venv/bin/python benchmarks/train_throughput.py [--torch-compile] [--llama]
+    .venv/bin/python benchmarks/train_throughput.py [--torch-compile] [--llama] [--cpu-gemm-backend B] [--also-mkl]
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ def measure_matmul_rate(size: int = 2048, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
+def model_config(args: argparse.Namespace, gemm: str | None = None) -> ModelConfig:
     """Our ModelConfig of the benchmark's shapes (GPT-2 style, or Llama style with ``--llama``)."""
+    gemm = gemm or args.cpu_gemm_backend
     config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                         seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0)
+                         seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0, cpu_gemm_backend=gemm)
     if args.llama:
         config = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-                             seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0,
+                             seq_length=args.seq, hidden_dropout=0.0, attention_dropout=0.0, cpu_gemm_backend=gemm,
                              position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                              ffn_hidden_size=args.ffn, group_query_attention=True, num_query_groups=args.groups,
                              disable_bias_linear=True, untie_embeddings_and_output_weights=True)
@@ -52,8 +55,8 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     return config
 
 
-def build_ours(args: argparse.Namespace) -> tuple[torch.nn.Module, callable]:
-    model = GPTModel(model_config(args), ParallelState.single_process(), vocab_size=args.vocab, seed=1234)
+def build_ours(args: argparse.Namespace, gemm: str | None = None) -> tuple[torch.nn.Module, callable]:
+    model = GPTModel(model_config(args, gemm), ParallelState.single_process(), vocab_size=args.vocab, seed=1234)
     positions = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, args.seq)
 
     def loss_fn(m: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,13 +124,18 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4, help="timed steps per model")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--torch-compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--cpu-gemm-backend", choices=["auto", "mkl", "onednn"], default="auto",
+                        help="our linears' fp32 CPU GEMM (megatron_like/tensor_parallel/cpu_gemm.py)")
+    parser.add_argument("--also-mkl", action="store_true", help="add ours with --cpu-gemm-backend mkl as a third side")
     args = parser.parse_args()
     args.vocab = args.vocab or (32000 if args.llama else 50304)
     hf_name = "HF LlamaForCausalLM" if args.llama else "HF GPT2LMHeadModel"
 
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1))
-    models = {"megatron_like": build_ours(args), hf_name: build_hf(args)}
+    models = {f"megatron_like ({args.cpu_gemm_backend} GEMM)": build_ours(args), hf_name: build_hf(args)}
+    if args.also_mkl:
+        models["megatron_like (mkl GEMM)"] = build_ours(args, "mkl")
     steps = {name: make_step(m, fn, args.torch_compile) for name, (m, fn) in models.items()}
     for step in steps.values():
         for _ in range(args.warmup):

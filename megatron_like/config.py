@@ -79,6 +79,10 @@ class ModelConfig:
     """'sdpa': torch's scaled_dot_product_attention (flash kernels on CPU and GPU, the fastest); 'local':
     explicit q k^T, softmax and v matmuls (easy to read and modify; uses the fused softmax). Megatron-LM's
     names are accepted: 'flash', 'fused' and 'auto' mean sdpa, 'unfused' means local."""
+    cpu_gemm_backend: Literal["auto", "mkl", "onednn"] = "auto"
+    """fp32 GEMM library of the tensor-parallel linears on CPU (forward and input gradient; weight gradients
+    always use MKL): 'mkl' (F.linear), 'onednn', or 'auto' = oneDNN on AMD CPUs for GEMMs of 2^24
+    multiply-adds and more, MKL elsewhere (Intel not measured); see tensor_parallel/cpu_gemm.py."""
     # ---- decoder architecture (GPT-2/3 defaults; Llama: rope, RMSNorm, swiglu, GQA, no biases) ----
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     """Positions: a learned table added to the embeddings, rotary embeddings applied to q and k in every
@@ -170,6 +174,10 @@ class ModelConfig:
             _require(0.0 <= value < 1.0, f"{flag_name(name)} {value} must be in [0, 1)")
         self.validate_architecture()
         self.validate_moe()
+        if self.cpu_gemm_backend == "onednn":
+            from megatron_like.tensor_parallel.cpu_gemm import onednn_available  # torch only when asked
+
+            _require(onednn_available(), "--cpu-gemm-backend onednn: this torch build has no oneDNN; use auto or mkl")
         if self.recompute_granularity == "full":
             _require(
                 self.recompute_method is not None,

@@ -43,7 +43,9 @@ class LogitsProgram(nn.Module):
 def export_program(load: str, iteration: int | None = None):
     """(torch.export program, loaded InferenceModel) of the checkpoint under ``load``."""
     # The fused C++ kernels are opaque to torch.export: trace the pure-PyTorch paths (same math).
-    plain = {"bias_gelu_fusion": False, "masked_softmax_fusion": False, "attention_backend": "sdpa"}
+    # MKL GEMMs: F.linear is a portable aten op, oneDNN's linear is not.
+    plain = {"bias_gelu_fusion": False, "masked_softmax_fusion": False, "attention_backend": "sdpa",
+             "cpu_gemm_backend": "mkl"}
     plain = {k: v for k, v in plain.items() if hasattr(ModelConfig(), k)}
     loaded = load_inference_model(load, ParallelState.single_process(torch.device("cpu")), iteration=iteration,
                                   with_tokenizer=True, model_overrides=plain)

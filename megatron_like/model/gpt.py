@@ -121,6 +121,7 @@ class GPTModel(nn.Module):
                 name=WORD_EMBEDDINGS if self.share_embeddings else "output_layer",
                 bias=False, sequence_parallel=sequence_parallel,
                 skip_weight_param_allocation=reuse_embedding, dtype=dtype, device=ps.device,
+                gemm_backend=config.cpu_gemm_backend,
             )
             if self.share_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True

@@ -92,14 +92,14 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(
             h, qkv_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
             name=f"layers.{layer}.attention.qkv", bias=config.qkv_bias, sequence_parallel=sequence_parallel,
-            dtype=dtype, device=ps.device,
+            dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
         # GPT-2's scaled init of the projections that write into the residual stream.
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.proj = RowParallelLinear(
             h, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
             name=f"layers.{layer}.attention.proj", bias=config.linear_bias, sequence_parallel=sequence_parallel,
-            dtype=dtype, device=ps.device,
+            dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
 
     def split_qkv(self, qkv: torch.Tensor, rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -211,13 +211,13 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(
             h, 2 * ffn if self.swiglu else ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
             seed=seed, name=f"{name}.fc1", bias=config.linear_bias, sequence_parallel=sequence_parallel,
-            dtype=dtype, device=ps.device, skip_bias_add=self.bias_gelu_fusion,
+            dtype=dtype, device=ps.device, skip_bias_add=self.bias_gelu_fusion, gemm_backend=config.cpu_gemm_backend,
         )
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.fc2 = RowParallelLinear(
             ffn, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
             name=f"{name}.fc2", bias=config.linear_bias, sequence_parallel=sequence_parallel,
-            dtype=dtype, device=ps.device,
+            dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

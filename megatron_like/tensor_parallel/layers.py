@@ -18,6 +18,7 @@ from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.collectives import Group
+from megatron_like.tensor_parallel import cpu_gemm
 from megatron_like.tensor_parallel.initialization import InitMethod, draw_slice, new_parameter
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -77,6 +78,7 @@ class ColumnParallelLinear(nn.Module):
     all-gathered first). Output ``[s, b, output_size / tp]``, or ``[s, b, output_size]`` with
     ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
     ``skip_bias_add`` leaves the bias out of the output so the caller can fuse it into what follows.
+    ``gemm_backend``: ``--cpu-gemm-backend`` (MKL or oneDNN for fp32 on CPU, see ``cpu_gemm.py``).
     """
 
     def __init__(
@@ -93,11 +95,13 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: bool = False,
         skip_weight_param_allocation: bool = False,
         skip_bias_add: bool = False,
+        gemm_backend: str = "auto",
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
+        self.gemm = cpu_gemm.resolve_backend(gemm_backend)
         if output_size % tp_size != 0:
             raise ValueError(f"{name}: output size {output_size} does not split over {tp_size} ranks")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
@@ -123,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, weight, None if self.skip_bias_add else self.bias)
+        y = cpu_gemm.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -134,7 +138,8 @@ class RowParallelLinear(nn.Module):
 
     Input ``[s, b, input_size / tp]`` (already split when ``input_is_parallel``). The partial products are
     all-reduced to ``[s, b, output_size]``, or reduce-scattered to ``[s / tp, b, output_size]`` with
-    sequence parallelism. The bias is added once, after the reduction.
+    sequence parallelism. The bias is added once, after the reduction. ``gemm_backend`` as in
+    ``ColumnParallelLinear``.
     """
 
     def __init__(
@@ -149,11 +154,13 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         sequence_parallel: bool = False,
+        gemm_backend: str = "auto",
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
+        self.gemm = cpu_gemm.resolve_backend(gemm_backend)
         if input_size % tp_size != 0:
             raise ValueError(f"{name}: input size {input_size} does not split over {tp_size} ranks")
         if sequence_parallel and not input_is_parallel:
@@ -173,7 +180,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = cpu_gemm.linear(x, self.weight, None, self.gemm)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

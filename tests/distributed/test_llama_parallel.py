@@ -1,7 +1,7 @@
 """A Llama-style model (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 4 key/value heads
 for 8 query heads, no biases, untied output layer) trained through pretrain() under tensor, sequence,
 pipeline (with and without virtual stages) and data parallelism, ZeRO 1/2/3, full and selective
-recompute, CPU offload and bf16 equals the single-process run: losses, grad norms and updated weights
+recompute, CPU offload, bf16 and oneDNN's GEMM equals the single-process run: losses, grad norms and updated weights
 (fp32: the float32 tolerance of ``assert_same_training``; bf16 with data and pipeline parallelism: the
 tolerance of test_mixed_precision; bf16 with tensor parallelism: losses, see the test).
 
@@ -47,6 +47,8 @@ CASES: dict[int, dict[str, list[str]]] = {
         "bf16-dp2-zero1": BF16 + zero(1),
         "qwen-tp2-sp": QWEN + TP2 + SP,
         "bf16-tp2-sp": BF16 + TP2 + SP,
+        # oneDNN's GEMM in every linear (auto keeps these tiny ones on MKL) equals the MKL reference.
+        "tp2-sp-onednn-gemm": TP2 + SP + ["--cpu-gemm-backend", "onednn"],
     },
     4: {
         "tp4": TP4,
