@@ -728,10 +728,10 @@ class Config:
         _require(shared is None or shared % tp == 0,
                  f"--moe-shared-expert-intermediate-size {shared} is not divisible by "
                  f"--tensor-model-parallel-size {tp}")
-        ckpt = self.checkpoint
-        _require(etp == tp or not (ckpt.save or ckpt.load),
-                 f"--save/--load with --expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size "
-                 f"{tp} are not supported yet; checkpoint with the default expert tp")
+        # The torch format's files are cut per (tp, pp, ep) rank and know no expert tp (Megatron's neither).
+        _require(etp == tp or not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
+                 f"--ckpt-format torch cannot save --expert-tensor-parallel-size {etp} other than "
+                 f"--tensor-model-parallel-size {tp}; use --ckpt-format torch_dist")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "world_size"}

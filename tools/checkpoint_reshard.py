@@ -60,6 +60,7 @@ def layout_config(saved: Config, tp: int, pp: int, vp_layers: int | None, dp: in
     p = config.parallel
     p.tensor_model_parallel_size, p.pipeline_model_parallel_size = tp, pp
     p.expert_model_parallel_size = p.expert_model_parallel_size if ep is None else ep
+    p.expert_tensor_parallel_size = None  # the torch format cuts experts over tp (etp = tp); torch_dist needs no pass
     p.num_layers_per_virtual_pipeline_stage = vp_layers
     if tp == 1:
         p.sequence_parallel = False

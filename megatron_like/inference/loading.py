@@ -81,6 +81,7 @@ def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConf
     config.parallel.tensor_model_parallel_size = ps.tp_size
     config.parallel.pipeline_model_parallel_size = ps.pp_size
     config.parallel.expert_model_parallel_size = ps.ep_size
+    config.parallel.expert_tensor_parallel_size = ps.etp_size  # the tool's (etp = tp), whatever the saved run used
     config.parallel.num_layers_per_virtual_pipeline_stage = None
     config.parallel.sequence_parallel = False
     config.world_size = ps.world_size

@@ -13,9 +13,10 @@ Where a rank's local tensor sits in the global one:
   written by tp rank 0 only;
 * pipeline (and virtual) stages: by the global layer index in the name;
 * expert parallelism (MoE, docs/moe.md): an expert weight ``[E_local, ...]`` is a piece of the global
-  ``[E, ...]`` over all experts, at ``ep_rank * E_local`` along dim 0, combined with the tensor-parallel
-  split of each expert (:func:`expert_placement`); it is written by one expert-data-parallel replica (the
-  ranks holding the same experts), as dense weights are written by one data-parallel replica;
+  ``[E, ...]`` over all experts, at ``ep_rank * E_local`` along dim 0, combined with the expert
+  tensor-parallel split of each expert (over ``--expert-tensor-parallel-size`` ranks, which may differ from
+  tp; :func:`expert_placement`); it is written by one expert-data-parallel replica (the ranks holding the
+  same expert shards), as dense weights are written by one data-parallel replica;
 * the tied word embedding: the last stage's copy (``shared_embedding``) has the first stage's name and
   is never written (the first stage owns it), but it is read like the original;
 * the padded vocabulary (``--make-vocab-size-divisible-by * tp``) depends on tp: a checkpoint holds the
@@ -107,7 +108,8 @@ def expert_placement(local_shape: tuple[int, ...], partition_dim: int, ep_rank: 
 
     The rank holds experts ``ep_rank * E_local ...`` (dim 0) and, of each, the slice ``expert_tp_rank`` of
     ``expert_tp_size`` along ``partition_dim``. Every expert-layout choice enters through the arguments: the
-    caller passes the tensor-parallel rank and size that split the experts (today the attention's tp).
+    caller passes the expert tensor-parallel rank and size (``--expert-tensor-parallel-size``, the attention's
+    tp by default), so the global tensor is the same whatever etp and ep the run uses.
     """
     shape, offset = list(local_shape), [0] * len(local_shape)
     shape[0] *= ep_size
@@ -134,8 +136,9 @@ def placements(chunk: nn.Module, ps: ParallelState) -> dict[nn.Parameter, ParamP
         shape, offset = list(param.shape), [0] * param.ndim
         split = bool(getattr(param, "tensor_model_parallel", False))
         if getattr(param, "expert_parallel", False):
+            # Split over the experts' own tensor parallelism (etp, the attention's tp by default), not tp.
             global_shape, global_offset = expert_placement(tuple(param.shape), param.partition_dim, ps.ep_rank,
-                                                           ps.ep_size, ps.tp_rank, ps.tp_size)
+                                                           ps.ep_size, ps.etp_rank, ps.expert_tp_size)
             out[param] = ParamPlacement(name, global_shape, global_offset, False, tied_copy, expert=True)
             continue
         if split:
@@ -187,8 +190,9 @@ def writes_segment(placement: ParamPlacement, ps: ParallelState, zero_stage: int
 
     Without ZeRO every dp rank holds the whole bucket (dp rank 0 writes it); with ZeRO each dp rank writes
     its own shard. Expert weights likewise over the expert-data-parallel group (the ranks holding the same
-    experts; their buckets are sharded there). A tp-replicated parameter is written by tp rank 0, the tied
-    copy never.
+    expert shards, whatever etp and ep are; their buckets are sharded there): no expert weight is
+    tp-replicated (each etp rank holds its own slice, etp 1 included). A tp-replicated parameter is written
+    by tp rank 0, the tied copy never.
     """
     if placement.tied_copy or (placement.tp_replicated and ps.tp_rank != 0):
         return False

@@ -42,6 +42,7 @@ from megatron_like.training.checkpointing import (
     _check_optimizer_layout,
     check_compatible,
     check_same_model,
+    check_torch_format_expert_tp,
     checkpoint_dir,
     is_dist_checkpoint,
     latest_iteration,
@@ -130,6 +131,7 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     if any(name.endswith(".distcp") for name in os.listdir(iteration_dir)):
         raise CheckpointError(f"{iteration_dir} holds torch_dist pieces but no {DCP_METADATA} index (an interrupted "
                               f"save); write an earlier saved iteration into {TRACKER_FILE}")
+    check_torch_format_expert_tp(root, ps)
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.isfile(path):

@@ -275,6 +275,15 @@ def _read(path: str) -> dict:
     return read_checkpoint_file(path)
 
 
+def check_torch_format_expert_tp(root: str, ps: ParallelState) -> None:
+    """Refuse a torch-format checkpoint at an expert tp other than tp: its files hold each expert cut over tp."""
+    if ps.expert_tp_size != ps.tp_size:
+        raise CheckpointError(f"--load {root} is a torch-format checkpoint, whose experts load only at "
+                              f"--expert-tensor-parallel-size = --tensor-model-parallel-size ({ps.tp_size}), this run "
+                              f"uses {ps.expert_tp_size}; resume it at etp {ps.tp_size} with --ckpt-format torch_dist "
+                              "and load that checkpoint at any etp")
+
+
 def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn.Module],
                     optimizer: Any, scheduler: Any) -> tuple[int, int]:
     """Load the latest checkpoint under ``root`` into this rank; returns (iteration, consumed samples).
@@ -289,6 +298,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
         from megatron_like.training import dist_checkpointing  # it imports this module
 
         return dist_checkpointing.load_dist_checkpoint(root, iteration, config, ps, model, optimizer, scheduler)
+    check_torch_format_expert_tp(root, ps)
     directory = checkpoint_dir(root, iteration, ps)
     path = rank_file(directory, 0)
     if not os.path.exists(path):

@@ -15,7 +15,10 @@ once its last checkpoint is named by the tracker.
 Mixture of experts (one more group of 4): a torch_dist checkpoint of ep2 x tp2 continues at ep4 with ZeRO-3 and
 at ep1 x pp2 with ZeRO-2 like the straight run (losses, router losses, grad norms, weights), resumes bitwise at
 its own layout, and holds every expert once at its global place; the torch format at ep2 (a directory per ep
-rank) resumes bitwise and refuses another ep in one line.
+rank) resumes bitwise and refuses another ep in one line. Expert tensor parallelism other than tp: that checkpoint
+continues at tp2 + sp with etp 1 (ZeRO-1 over the expert-data-parallel group, saving again), and one saved at
+tp2 + sp, etp 1, ep 2 continues at tp 1 with etp 2 (ZeRO-2), each like its straight run; both hold their run's
+weights at the global places the inference tools read; the torch format refuses etp other than tp in one line.
 """
 
 from __future__ import annotations
@@ -97,7 +100,16 @@ MOE_SAVING = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size
 MOE_LOADING = {  # expert weights and Adam state re-cut over 4, 2 and 1 expert-parallel ranks, tp 2 -> 1 (and pp 2)
     "ep4-zero3": ["--expert-model-parallel-size", "4", "--zero-stage", "3", "--moe-token-dispatcher-type", "alltoall"],
     "ep1-pp2-zero2": ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+    # etp 1 inside tp 2 (the tp ranks become ep ranks), saved again from ZeRO-1 shards over expert-dp 2
+    "etp1-tp2-sp-ep2-zero1": ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                              "--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1",
+                              "--moe-token-dispatcher-type", "alltoall"],
 }
+# Saved at etp 1 inside tp 2 + sp without ZeRO (expert-dp rank 0 of each ep rank writes), loaded at etp 2 with tp 1:
+# each expert now split over two data-parallel ranks.
+ETP_SAVING = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+              "--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"]
+ETP_LOADING = ["--expert-tensor-parallel-size", "2", "--zero-stage", "2", "--moe-token-dispatcher-type", "allgather"]
 # The torch format (a file per rank) at ep 2 inside dp 4 with ZeRO-3: two ranks hold each expert's shards.
 MOE_TORCH_SAVING = ["--expert-model-parallel-size", "2", "--zero-stage", "3", "--moe-token-dispatcher-type", "alltoall"]
 
@@ -117,11 +129,15 @@ def moe_checkpoints(rank: int, world_size: int, root: str) -> dict:
             write_tracker(directory, 2)  # the straight run also saved iteration 4: resume from 2
         comm.barrier()
 
-    dist_dir, torch_dir, sharded_dir = (os.path.join(root, name) for name in ("torch_dist", "torch", "sharded"))
+    dist_dir, torch_dir, sharded_dir, etp_dir, etp_sharded_dir = (
+        os.path.join(root, name) for name in ("torch_dist", "torch", "sharded", "etp", "etp_sharded"))
     train("straight", MOE_SAVING + ["--save", dist_dir], dist_dir)
     for name, flags in MOE_LOADING.items():
-        train(name, flags + ["--load", dist_dir], dist_dir)
+        saving = ["--save", etp_sharded_dir] if name.startswith("etp") else []
+        train(name, flags + ["--load", dist_dir] + saving, dist_dir)
     train("same_layout", MOE_SAVING + ["--load", dist_dir], dist_dir)
+    train("etp_straight", ETP_SAVING + ["--save", etp_dir], etp_dir)
+    train("etp_other_layout", ETP_LOADING + ["--load", etp_dir], etp_dir)
     train("torch_straight", MOE_TORCH_SAVING + ["--ckpt-format", "torch", "--save", torch_dir], torch_dir)
     # Loads the torch format (either format loads) and saves iteration 4 as torch_dist from ZeRO-3 shards
     # cut over the expert-data-parallel group.
@@ -131,6 +147,11 @@ def moe_checkpoints(rank: int, world_size: int, root: str) -> dict:
         out["torch_other_layout"] = None
     except CheckpointError as error:
         out["torch_other_layout"] = str(error)
+    try:  # the torch format cuts experts over tp: refused at etp 2 with tp 1 before anything is read
+        train_gpt(rank, world_size, MOE + MOE_FLAGS + ETP_LOADING + ["--load", torch_dir])
+        out["torch_other_etp"] = None
+    except CheckpointError as error:
+        out["torch_other_etp"] = str(error)
     iteration = os.path.join(torch_dir, "iter_0000002")
     out["torch_files"] = sorted(f"{d}/{f}" for d in os.listdir(iteration) for f in os.listdir(f"{iteration}/{d}"))
     return out
@@ -140,12 +161,18 @@ def moe_checkpoints(rank: int, world_size: int, root: str) -> dict:
 def moe_runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("moe"))
     results = run_distributed(moe_checkpoints, 4, root, timeout=900)
-    names = ["straight", *MOE_LOADING, "same_layout", "torch_straight", "torch_same_layout"]
+    names = ["straight", *MOE_LOADING, "same_layout", "etp_straight", "etp_other_layout", "torch_straight",
+             "torch_same_layout"]
     merged = {name: merge_ranks([r[name] for r in results]) for name in names}
-    merged["torch_other_layout"] = [r["torch_other_layout"] for r in results]
+    for error in ("torch_other_layout", "torch_other_etp"):
+        merged[error] = [r[error] for r in results]
     merged["torch_files"] = results[0]["torch_files"]
-    merged["dirs"] = {"straight": os.path.join(root, "torch_dist"), "torch_same_layout": os.path.join(root, "sharded")}
+    merged["dirs"] = {"straight": os.path.join(root, "torch_dist"), "torch_same_layout": os.path.join(root, "sharded"),
+                      "etp_straight": os.path.join(root, "etp"), ETP_ZERO1: os.path.join(root, "etp_sharded")}
     return merged
+
+
+ETP_ZERO1 = "etp1-tp2-sp-ep2-zero1"
 
 
 def continued_part(straight: dict) -> dict:
@@ -164,6 +191,16 @@ def test_moe_torch_dist_checkpoint_continues_at_another_expert_layout(moe_runs, 
     assert_same_router_losses(straight, resumed, steps=2)
 
 
+def test_moe_torch_dist_checkpoint_saved_at_etp1_continues_at_etp2(moe_runs) -> None:
+    """Saved at tp2 + sp, etp 1, ep 2; continued at tp 1, etp 2, ep 1 with ZeRO-2 like its straight run."""
+    from tests.distributed.test_moe_parallel import assert_same_router_losses
+
+    straight, resumed = continued_part(moe_runs["etp_straight"]), moe_runs["etp_other_layout"]
+    assert len(resumed["losses"]) == 2
+    assert_same_training(straight, resumed)
+    assert_same_router_losses(straight, resumed, steps=2)
+
+
 def test_moe_checkpoints_resume_bitwise_at_the_same_expert_layout(moe_runs) -> None:
     for fmt in ("", "torch_"):
         straight, resumed = moe_runs[fmt + "straight"], moe_runs[fmt + "same_layout"]
@@ -177,19 +214,42 @@ def test_moe_checkpoints_resume_bitwise_at_the_same_expert_layout(moe_runs) -> N
 
 
 def test_moe_torch_dist_checkpoint_holds_every_expert_once_at_its_global_place(moe_runs) -> None:
-    """The global tensors saved at iteration 4 (ep2 x tp2 without ZeRO; ep2 in dp4 from ZeRO-3 shards) are the
-    run's whole weights, [experts, ...] included."""
-    from megatron_like.training.dist_checkpointing import read_full_tensors
+    """The global tensors saved at iteration 4 (ep2 x tp2 without ZeRO; ep2 in dp4 from ZeRO-3 shards; etp 1 in
+    tp2 without ZeRO and from ZeRO-1 shards) are the run's whole weights, [experts, ...] included, as the
+    inference tools read them (load_full_state: generate, convert, the server, evaluate)."""
+    from megatron_like.model.state import load_full_state
 
     for run, directory in moe_runs["dirs"].items():
         params = moe_runs[run]["params"]
-        saved = read_full_tensors(directory, ["model." + k for k in params], iteration=4)
-        assert saved["model.layers.0.mlp.experts.weight1"].shape == (4, 64, 64)
+        _, saved = load_full_state(directory, iteration=4)
+        assert saved["layers.0.mlp.experts.weight1"].shape == (4, 64, 64)
+        assert saved.keys() == params.keys(), run
         for name, tensor in params.items():
-            torch.testing.assert_close(saved["model." + name], tensor, rtol=0, atol=0, msg=f"{run}: {name}")
+            torch.testing.assert_close(saved[name], tensor, rtol=0, atol=0, msg=f"{run}: {name}")
+
+
+def test_moe_checkpoint_saved_at_etp1_loads_in_one_process_for_generation(moe_runs) -> None:
+    """generate / the server / evaluate build their model at etp = tp from the etp 1 checkpoint: one process holds
+    the straight run's weights (rows of the padded vocabulary both layouts have)."""
+    from megatron_like.inference import load_inference_model
+    from megatron_like.model.sharded_state import VOCAB_PARAMS
+    from megatron_like.parallel_state import ParallelState
+
+    loaded = load_inference_model(moe_runs["dirs"]["etp_straight"], ParallelState.single_process(torch.device("cpu")),
+                                  iteration=4, with_tokenizer=False)
+    assert loaded.config.parallel.expert_tensor_parallel_size is None  # the tool's own layout, not the saved etp 1
+    params = moe_runs["etp_straight"]["params"]
+    named = dict(loaded.model[0].named_parameters())
+    assert named.keys() == params.keys()
+    for name, tensor in named.items():
+        rows = min(tensor.shape[0], params[name].shape[0]) if name in VOCAB_PARAMS else tensor.shape[0]
+        torch.testing.assert_close(tensor[:rows], params[name][:rows], rtol=0, atol=0, msg=name)
 
 
 def test_moe_torch_format_at_another_expert_layout_is_a_one_line_error(moe_runs) -> None:
     for message in moe_runs["torch_other_layout"]:
         assert message is not None and "\n" not in message
         assert "--expert-model-parallel-size 2, this run uses 4" in message and "checkpoint_reshard.py" in message
+    for message in moe_runs["torch_other_etp"]:
+        assert message is not None and "\n" not in message
+        assert "torch-format checkpoint" in message and "this run uses 2" in message and "torch_dist" in message

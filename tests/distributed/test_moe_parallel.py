@@ -140,8 +140,9 @@ def test_expert_layout_is_megatrons_expert_rank_generator() -> None:
     (etp(1) + ["--num-experts", "4", "--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
     (etp(4) + ["--num-experts", "4", "--moe-ffn-hidden-size", "6"],
      "--moe-ffn-hidden-size 6 is not divisible by --expert-tensor-parallel-size 4"),
-    (etp(1) + TP2_SP + ["--num-experts", "4", "--load", "/tmp/x"],
-     "--save/--load with --expert-tensor-parallel-size 1 other than --tensor-model-parallel-size 2"),
+    (etp(1) + TP2_SP + ["--num-experts", "4", "--save", "/tmp/x", "--ckpt-format", "torch"],
+     "--ckpt-format torch cannot save --expert-tensor-parallel-size 1 other than --tensor-model-parallel-size 2; "
+     "use --ckpt-format torch_dist"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
 ])
 def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str) -> None:
@@ -149,6 +150,33 @@ def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str)
     with pytest.raises(ConfigError) as error:
         parse_config(base + flags, world_size=4)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_torch_dist_checkpoints_take_any_expert_tp() -> None:
+    """--save/--load at etp other than tp: torch_dist (the default) stores global tensors; --load of the torch
+    format is refused when the checkpoint is read (the format is detected there, test_dist_checkpoint.py)."""
+    base = ["--num-layers", "4", "--disable-bias-linear", "--mock-data", "--vocab-size", "64", "--num-experts", "4"]
+    for flags in (etp(1) + TP2_SP + ["--save", "/tmp/x", "--load", "/tmp/x"],
+                  etp(2) + ["--save", "/tmp/x", "--async-save"], etp(1) + TP2_SP + ["--ckpt-format", "torch",
+                                                                                  "--load", "/tmp/x"]):
+        config = parse_config(base + flags, world_size=4)
+        assert config.parallel.expert_tensor_parallel_size != config.parallel.tensor_model_parallel_size
+
+
+def test_reshard_tool_writes_the_torch_format_at_etp_equal_to_tp() -> None:
+    """tools/checkpoint_reshard.py's torch_dist -> torch pass of a checkpoint saved at etp 1 inside tp 2 runs at
+    etp = tp, the only expert layout the torch format's files hold."""
+    import sys
+
+    from tests.e2e.cli import ROOT
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import checkpoint_reshard
+
+    base = ["--num-layers", "4", "--disable-bias-linear", "--mock-data", "--vocab-size", "64", "--num-experts", "4"]
+    saved = parse_config(base + etp(1) + ep(2) + TP2_SP + ["--save", "/tmp/x"], world_size=4)
+    target = checkpoint_reshard.layout_config(saved, 2, 1, None, 2, 0, False)
+    assert target.parallel.expert_tensor_parallel_size is None and target.parallel.expert_model_parallel_size == 2
 
 
 def test_grouped_gemm_flag_is_accepted_and_recorded() -> None:
