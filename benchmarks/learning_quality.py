@@ -9,10 +9,10 @@ validation loss every ``--eval-interval`` iterations, 50 by default, on the same
 trained for every seed by ``pretrain_gpt.py`` in one process, at tp2 x pp2 for the ``--tp2-pp2-seeds``, and by
 ``benchmarks/plain_gpt.py --same-init`` (the plain GPT starts from the weights our ``GPTModel`` draws for that
 seed and reads the same samples, so the only differences are the model code, the update and float rounding;
-``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT at micro
-batch 8: the same sums in another order, the spread float rounding alone gives). It prints both validation
-curves side by side for every seed, then ours minus plain at the last iteration: each seed, the mean and the
-spread.
+``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT and ours
+(one process) at micro batch 8: the same sums in another order, the spread float rounding alone gives). It
+prints both validation curves side by side for every seed, then each run against the plain GPT and against
+ours in one process at the last iteration: each seed, the mean and the spread.
 
 ``vit``: scikit-learn's digits written by ``data_tools/make_digits_dataset.py`` (needs scikit-learn), the
 README's ViT recipe (4 layers, hidden 128, 4 heads, patch 4, global batch 32, lr 1e-3, 20 warmup iterations,
@@ -26,7 +26,7 @@ One GPT is pretrained once (``pretrain_gpt.py``, the ``gpt`` recipe, seed 1234, 
 seed, ``finetune_gpt_classification.py`` fine-tunes ours in one process (and with 2 tensor-parallel processes
 for the ``--tp2-seeds``) and ``benchmarks/plain_gpt_classification.py`` the plain one, from the same
 pretrained body and the same head draw, on the same samples in the same order, with the same recipe
-(``FINETUNE``: 2 epochs of 64-token sequences, global batch 32, lr 3e-4, warmup 10% then linear decay,
+(``FINETUNE``: 2 epochs of 64-token sequences, global batch 32, lr 1e-3, warmup 10% then linear decay,
 weight decay 0.01, clip 1.0, dropout 0.1). It prints the dev accuracy of every run, each side's mean and
 spread, and TF-IDF + logistic regression (scikit-learn, if installed) on the same split for scale.
 
@@ -70,7 +70,7 @@ OURS_GPT = ["--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--at
 FINETUNE_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
                   "--max-position-embeddings", "128"]
 FINETUNE = ["--num-classes", "8", "--epochs", "2", "--micro-batch-size", "8", "--global-batch-size", "32",
-            "--lr", "3e-4", "--log-interval", "10"]
+            "--lr", "1e-3", "--log-interval", "10"]
 DEV_ACCURACY = re.compile(r"dev set: (\d+) examples \| accuracy: ([0-9.]+)")
 TOP1 = re.compile(r"validation set: (\d+) images \| top-1 accuracy: ([0-9.]+)")
 TRAIN_LOSS = re.compile(r"iteration\s+(\d+)(?:/\s*\d+)? \|(?:.*?\|)? (?:lm )?loss: ([0-9.E+-]+)")
@@ -176,6 +176,9 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
             runs[seed, "plain, same init, micro batch 8"] = (
                 [PY, "benchmarks/plain_gpt.py", *flags, "--same-init", *s, "--micro-batch-size", "8"],
                 work / f"gpt_plain_same_init_mbs8_seed{seed}.log")
+            runs[seed, "ours, 1 process, micro batch 8"] = (
+                [PY, "pretrain_gpt.py", *flags, *OURS_GPT, *s, "--micro-batch-size", "8"],
+                work / f"gpt_ours_1proc_mbs8_seed{seed}.log")
         if args.plain_own_init:
             runs[seed, "plain, own init"] = ([PY, "benchmarks/plain_gpt.py", *flags, *s],
                                              work / f"gpt_plain_own_init_seed{seed}.log")
@@ -203,6 +206,16 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
                   f"{gap:+.2f}%")
     for side, values in gaps.items():
         print(f"- {side} vs plain, %: mean {spread(values)}")
+    # Ours against ours: a layout (tp2 x pp2) or a summation order (micro batch 8) against one process.
+    print(f"\neach run vs ours, 1 process at iteration {last}, (run / ours - 1) in %:\n")
+    gaps = {}
+    for (seed, side), values in valid.items():
+        if side.startswith("ours, ") and side != "ours, 1 process":
+            gap = 100 * (values[last] / valid[seed, "ours, 1 process"][last] - 1)
+            gaps.setdefault(side, []).append(gap)
+            print(f"- seed {seed}, {side}: {gap:+.2f}%")
+    for side, values in gaps.items():
+        print(f"- {side} vs ours, 1 process, %: mean {spread(values)}")
     for side in ("ours, 1 process", "plain, same init"):
         print(f"- {side}, validation loss at {last}: {spread([valid[s, side][last] for s in args.seeds], 4)}")
 
@@ -229,7 +242,9 @@ def tfidf_baseline(data: Path) -> dict[str, float]:
     return accuracy
 
 
-def finetune(work: Path, args: argparse.Namespace) -> None:
+def finetune_runs(work: Path, args: argparse.Namespace) -> tuple[dict[str, tuple[list[str], Path]], Path]:
+    """Build the data and the pretrained GPT if missing; return the fine-tunes ``{name: (command, log)}`` and
+    the docstring-classes directory."""
     data, tokenizer = demo_data(work)
     classes = work / "docstring_classes"
     if not (classes / "dev.jsonl").exists():
@@ -253,6 +268,11 @@ def finetune(work: Path, args: argparse.Namespace) -> None:
         runs[f"ours, tp2, seed {seed}"] = (
             [*TORCHRUN[:-1], "--nproc_per_node=2", *ours, "--tensor-model-parallel-size", "2", "--seed", str(seed)],
             work / f"finetune_ours_tp2_seed{seed}.log")
+    return runs, classes
+
+
+def finetune(work: Path, args: argparse.Namespace) -> None:
+    runs, classes = finetune_runs(work, args)
     outputs = run_all(runs, args.jobs, args.rerun)
     print("\n| run | dev accuracy | training loss at iterations 20 / 40 / 60 / 80 |\n|---|---|---|")
     accuracies: dict[str, list[float]] = {}
@@ -280,8 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="finetune: seeds also fine-tuned by ours at tp2 (2 processes)")
     parser.add_argument("--eval-interval", type=int, default=50, help="gpt: iterations between validations")
     parser.add_argument("--float-control-seeds", type=int, nargs="*", default=[],
-                        help="gpt: seeds also trained by the plain GPT at micro batch 8 (the same global batch "
-                             "summed in another order: the spread float rounding alone gives)")
+                        help="gpt: seeds also trained by the plain GPT and ours (1 process) at micro batch 8 (the "
+                             "same global batch summed in another order: the spread float rounding alone gives)")
     parser.add_argument("--plain-own-init", action="store_true", help="gpt: also the plain GPT from its own draw")
     parser.add_argument("--jobs", type=int, default=1, help="trainings run at once")
     parser.add_argument("--rerun", action="store_true", help="train again even where a finished log exists")
