@@ -170,7 +170,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Our fine-tune's flags (names and defaults of finetune_gpt_classification.py where it has them)."""
+    """The flags of finetune_gpt_classification.py that this recipe uses, under the same names."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pretrained-checkpoint", help="pretrain_gpt.py --save directory (else a random body)")
     parser.add_argument("--train-data", required=True)
