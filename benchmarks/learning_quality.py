@@ -2,22 +2,33 @@
 
     .venv/bin/python benchmarks/learning_quality.py gpt --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
     .venv/bin/python benchmarks/learning_quality.py vit --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
+    .venv/bin/python benchmarks/learning_quality.py finetune --seeds 1234 1 2 --tp2-seeds 1234 --jobs 2
 
 ``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing; the
 validation loss every ``--eval-interval`` iterations, 50 by default, on the same samples for every run),
 trained for every seed by ``pretrain_gpt.py`` in one process, at tp2 x pp2 for the ``--tp2-pp2-seeds``, and by
 ``benchmarks/plain_gpt.py --same-init`` (the plain GPT starts from the weights our ``GPTModel`` draws for that
 seed and reads the same samples, so the only differences are the model code, the update and float rounding;
-``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT at micro
-batch 8: the same sums in another order, the spread float rounding alone gives). It prints both validation
-curves side by side for every seed, then ours minus plain at the last iteration: each seed, the mean and the
-spread.
+``--plain-own-init`` adds the plain GPT from its own draw, ``--float-control-seeds`` the plain GPT and ours
+(one process) at micro batch 8: the same sums in another order, the spread float rounding alone gives). It
+prints both validation curves side by side for every seed, then each run against the plain GPT and against
+ours in one process at the last iteration: each seed, the mean and the spread.
 
 ``vit``: scikit-learn's digits written by ``data_tools/make_digits_dataset.py`` (needs scikit-learn), the
 README's ViT recipe (4 layers, hidden 128, 4 heads, patch 4, global batch 32, lr 1e-3, 20 warmup iterations,
 300 iterations, dropout 0.1), trained for every seed by ``pretrain_vit.py`` in one process (and at tp2 x pp2,
 4 CPU processes, for the ``--tp2-pp2-seeds``) and by ``benchmarks/plain_vit.py``; top-1 accuracy over the whole
 validation folder per run, then the mean and spread of each side.
+
+``finetune``: the sequence-classification fine-tune on a real labeled text set built offline by
+``data_tools/make_docstring_classes.py`` (standard-library docstrings labeled by their package, 8 classes).
+One GPT is pretrained once (``pretrain_gpt.py``, the ``gpt`` recipe, seed 1234, ``--save``); from it, for every
+seed, ``finetune_gpt_classification.py`` fine-tunes ours in one process (and with 2 tensor-parallel processes
+for the ``--tp2-seeds``) and ``benchmarks/plain_gpt_classification.py`` the plain one, from the same
+pretrained body and the same head draw, on the same samples in the same order, with the same recipe
+(``FINETUNE``: 2 epochs of 64-token sequences, global batch 32, lr 1e-3, warmup 10% then linear decay,
+weight decay 0.01, clip 1.0, dropout 0.1). It prints the dev accuracy of every run, each side's mean and
+spread, and TF-IDF + logistic regression (scikit-learn, if installed) on the same split for scale.
 
 Each run keeps its log in ``--work-dir``; a finished log is reused (``--rerun`` trains again), so an
 interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several minutes per run on 2 cores.
@@ -26,6 +37,7 @@ interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -51,6 +63,15 @@ DEMO_GPT = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads"
 OURS_GPT = ["--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
             "--num-workers", "0", "--tokenizer-type", "GPT2BPETokenizer"]
 
+# The fine-tune: the pretrained GPT's shape, then finetune_gpt_classification.py's recipe (its defaults: warmup
+# 10% of the iterations, linear decay to 0, weight decay 0.01, clip 1.0, dropout 0.1; the plain side's too).
+# Sequences of 64 tokens (a docstring is cut to 600 characters, ~130 tokens: the first half names its topic) keep
+# a run at ~1/4 of the pretraining's cost.
+FINETUNE_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
+                  "--max-position-embeddings", "128"]
+FINETUNE = ["--num-classes", "8", "--epochs", "2", "--micro-batch-size", "8", "--global-batch-size", "32",
+            "--lr", "1e-3", "--log-interval", "10"]
+DEV_ACCURACY = re.compile(r"dev set: (\d+) examples \| accuracy: ([0-9.]+)")
 TOP1 = re.compile(r"validation set: (\d+) images \| top-1 accuracy: ([0-9.]+)")
 TRAIN_LOSS = re.compile(r"iteration\s+(\d+)(?:/\s*\d+)? \|(?:.*?\|)? (?:lm )?loss: ([0-9.E+-]+)")
 VALID_LOSS = re.compile(r"validation loss at iteration (\d+) \| (?:.*?)lm loss value: ([0-9.E+-]+)")
@@ -155,6 +176,9 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
             runs[seed, "plain, same init, micro batch 8"] = (
                 [PY, "benchmarks/plain_gpt.py", *flags, "--same-init", *s, "--micro-batch-size", "8"],
                 work / f"gpt_plain_same_init_mbs8_seed{seed}.log")
+            runs[seed, "ours, 1 process, micro batch 8"] = (
+                [PY, "pretrain_gpt.py", *flags, *OURS_GPT, *s, "--micro-batch-size", "8"],
+                work / f"gpt_ours_1proc_mbs8_seed{seed}.log")
         if args.plain_own_init:
             runs[seed, "plain, own init"] = ([PY, "benchmarks/plain_gpt.py", *flags, *s],
                                              work / f"gpt_plain_own_init_seed{seed}.log")
@@ -182,28 +206,109 @@ def gpt(work: Path, args: argparse.Namespace) -> None:
                   f"{gap:+.2f}%")
     for side, values in gaps.items():
         print(f"- {side} vs plain, %: mean {spread(values)}")
+    # Ours against ours: a layout (tp2 x pp2) or a summation order (micro batch 8) against one process.
+    print(f"\neach run vs ours, 1 process at iteration {last}, (run / ours - 1) in %:\n")
+    gaps = {}
+    for (seed, side), values in valid.items():
+        if side.startswith("ours, ") and side != "ours, 1 process":
+            gap = 100 * (values[last] / valid[seed, "ours, 1 process"][last] - 1)
+            gaps.setdefault(side, []).append(gap)
+            print(f"- seed {seed}, {side}: {gap:+.2f}%")
+    for side, values in gaps.items():
+        print(f"- {side} vs ours, 1 process, %: mean {spread(values)}")
     for side in ("ours, 1 process", "plain, same init"):
         print(f"- {side}, validation loss at {last}: {spread([valid[s, side][last] for s in args.seeds], 4)}")
 
 
+def tfidf_baseline(data: Path) -> dict[str, float]:
+    """Dev accuracy (%) of TF-IDF + logistic regression on the same split (empty without scikit-learn)."""
+    try:
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.linear_model import LogisticRegression
+    except ImportError:
+        return {}
+
+    def read(split: str) -> tuple[list[str], list[int]]:
+        rows = [json.loads(line) for line in (data / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+        return [row["sentence1"] for row in rows], [row["label"] for row in rows]
+
+    (train_x, train_y), (dev_x, dev_y) = read("train"), read("dev")
+    vectorizer = TfidfVectorizer()
+    features = vectorizer.fit_transform(train_x)
+    accuracy = {}
+    for c in (1.0, 10.0):
+        predicted = LogisticRegression(C=c, max_iter=2000).fit(features, train_y).predict(vectorizer.transform(dev_x))
+        accuracy[f"C={c:g}"] = 100 * sum(int(p == y) for p, y in zip(predicted, dev_y, strict=True)) / len(dev_y)
+    return accuracy
+
+
+def finetune_runs(work: Path, args: argparse.Namespace) -> tuple[dict[str, tuple[list[str], Path]], Path]:
+    """Build the data and the pretrained GPT if missing; return the fine-tunes ``{name: (command, log)}`` and
+    the docstring-classes directory."""
+    data, tokenizer = demo_data(work)
+    classes = work / "docstring_classes"
+    if not (classes / "dev.jsonl").exists():
+        run([PY, "data_tools/make_docstring_classes.py", "--output-dir", str(classes), "--num-classes", "8"],
+            work / "docstring_classes.log")
+    pretrained = work / "finetune" / "pretrained"
+    pretrain_log = work / "finetune_pretrain.log"
+    if args.rerun or not pretrain_log.exists():
+        run([PY, "pretrain_gpt.py", *DEMO_GPT, *data, *tokenizer, *OURS_GPT, "--seed", "1234", "--save",
+             str(pretrained)], pretrain_log, args.rerun)
+    task = [*FINETUNE_MODEL, *FINETUNE, *tokenizer, "--pretrained-checkpoint", str(pretrained), "--train-data",
+            str(classes / "train.jsonl"), "--valid-data", str(classes / "dev.jsonl")]
+    ours = ["finetune_gpt_classification.py", *task, "--tokenizer-type", "GPT2BPETokenizer", "--num-workers", "0"]
+    runs: dict[str, tuple[list[str], Path]] = {}
+    for seed in args.seeds:
+        s = ["--seed", str(seed)]
+        runs[f"ours, 1 process, seed {seed}"] = ([PY, *ours, *s], work / f"finetune_ours_1proc_seed{seed}.log")
+        runs[f"plain PyTorch fine-tune, seed {seed}"] = (
+            [PY, "benchmarks/plain_gpt_classification.py", *task, *s], work / f"finetune_plain_seed{seed}.log")
+    for seed in args.tp2_seeds:
+        runs[f"ours, tp2, seed {seed}"] = (
+            [*TORCHRUN[:-1], "--nproc_per_node=2", *ours, "--tensor-model-parallel-size", "2", "--seed", str(seed)],
+            work / f"finetune_ours_tp2_seed{seed}.log")
+    return runs, classes
+
+
+def finetune(work: Path, args: argparse.Namespace) -> None:
+    runs, classes = finetune_runs(work, args)
+    outputs = run_all(runs, args.jobs, args.rerun)
+    print("\n| run | dev accuracy | training loss at iterations 20 / 40 / 60 / 80 |\n|---|---|---|")
+    accuracies: dict[str, list[float]] = {}
+    for name, out in outputs.items():
+        examples, accuracy = DEV_ACCURACY.search(out).groups()
+        losses = curve(TRAIN_LOSS, out)
+        trail = " / ".join(f"{losses[i]:.3f}" for i in (20, 40, 60, 80) if i in losses)
+        print(f"| {name} | {accuracy}% of {examples} | {trail} |")
+        accuracies.setdefault(name.rsplit(", seed", 1)[0], []).append(float(accuracy))
+    print("\n| side | dev accuracy %: mean (min .. max, sd) |\n|---|---|")
+    for side, values in accuracies.items():
+        print(f"| {side} | {spread(values)} |")
+    for setting, accuracy in tfidf_baseline(classes).items():
+        print(f"| TF-IDF + logistic regression ({setting}) | {accuracy:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("workflow", choices=("vit", "gpt"))
+    parser.add_argument("workflow", choices=("vit", "gpt", "finetune"))
     parser.add_argument("--work-dir", default="runs/learning_quality", help="data and logs of the runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234], help="--seed of each pair of runs")
     parser.add_argument("--tp2-pp2-seeds", type=int, nargs="*", default=[1234],
                         help="seeds also trained by ours at tp2 x pp2 (4 processes)")
+    parser.add_argument("--tp2-seeds", type=int, nargs="*", default=[],
+                        help="finetune: seeds also fine-tuned by ours at tp2 (2 processes)")
     parser.add_argument("--eval-interval", type=int, default=50, help="gpt: iterations between validations")
     parser.add_argument("--float-control-seeds", type=int, nargs="*", default=[],
-                        help="gpt: seeds also trained by the plain GPT at micro batch 8 (the same global batch "
-                             "summed in another order: the spread float rounding alone gives)")
+                        help="gpt: seeds also trained by the plain GPT and ours (1 process) at micro batch 8 (the "
+                             "same global batch summed in another order: the spread float rounding alone gives)")
     parser.add_argument("--plain-own-init", action="store_true", help="gpt: also the plain GPT from its own draw")
     parser.add_argument("--jobs", type=int, default=1, help="trainings run at once")
     parser.add_argument("--rerun", action="store_true", help="train again even where a finished log exists")
     args = parser.parse_args(argv)
     work = (ROOT / args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    {"vit": vit, "gpt": gpt}[args.workflow](work, args)
+    {"vit": vit, "gpt": gpt, "finetune": finetune}[args.workflow](work, args)
 
 
 if __name__ == "__main__":

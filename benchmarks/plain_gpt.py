@@ -31,34 +31,42 @@ from torch import nn
 
 
 class Block(nn.Module):
-    """x + attn(ln1(x)), then x + mlp(ln2(x)) on ``[b, s, h]`` (no dropout: the demo trains without it)."""
+    """x + dropout(attn(ln1(x))), then x + dropout(mlp(ln2(x))) on ``[b, s, h]``.
 
-    def __init__(self, hidden: int, heads: int) -> None:
+    Dropout where ours has it: on the attention probabilities and on each branch before the residual add
+    (0 by default: the demo pretrains without it; the fine-tune of ``plain_gpt_classification.py`` uses it).
+    """
+
+    def __init__(self, hidden: int, heads: int, hidden_dropout: float = 0.0, attention_dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.attention_dropout = heads, attention_dropout
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+        self.dropout = nn.Dropout(hidden_dropout)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)  # (b, nh, s, hd)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = self.attention_dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        x = x + self.dropout(self.attention(self.ln1(x)))
+        return x + self.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh")))
 
 
 class PlainGPT(nn.Module):
     """token ids ``[b, s]`` -> logits ``[b, s, vocab]``."""
 
     def __init__(self, vocab: int, positions: int, num_layers: int, hidden: int, heads: int,
-                 std: float = 0.02) -> None:
+                 std: float = 0.02, hidden_dropout: float = 0.0, attention_dropout: float = 0.0) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, hidden), nn.Embedding(positions, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(num_layers))
+        self.dropout = nn.Dropout(hidden_dropout)  # on the embeddings, as ours
+        self.blocks = nn.ModuleList(Block(hidden, heads, hidden_dropout, attention_dropout)
+                                    for _ in range(num_layers))
         self.norm = nn.LayerNorm(hidden)
         for name, param in self.named_parameters():
             if name.endswith(("proj.weight", "fc2.weight")):
@@ -68,11 +76,15 @@ class PlainGPT(nn.Module):
             elif "ln" not in name and "norm" not in name:
                 nn.init.zeros_(param)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """token ids ``[b, s]`` -> final hidden states ``[b, s, h]`` (after the final LayerNorm)."""
+        x = self.dropout(self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device)))
         for block in self.blocks:
             x = block(x)
-        return F.linear(self.norm(x), self.tokens.weight)  # tied output layer
+        return self.norm(x)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.hidden(ids), self.tokens.weight)  # tied output layer
 
 
 @torch.no_grad()
