@@ -214,6 +214,11 @@ def wait_for_async_staging() -> None:
         _AsyncWrite.staged = None
 
 
+def writing() -> bool:
+    """Whether a background save is still running (not yet complete and named by the tracker)."""
+    return _AsyncWrite.thread is not None and _AsyncWrite.thread.is_alive()
+
+
 def wait_for_async_save() -> None:
     """Block until the background save (if any) is complete and named by the tracker; re-raise its error.
 

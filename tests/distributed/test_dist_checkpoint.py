@@ -62,24 +62,39 @@ def async_save_then_resume(rank: int, world_size: int, root: str) -> dict:
     from megatron_like.training.checkpointing import latest_iteration
     from tests.distributed.test_checkpoint_resume import RESUME_FLAGS
 
-    # The background thread copies the state only once the next optimizer step has run, or after 1 s if
-    # the training thread waits for the copy first (as it must), and writes only after that step: what it
-    # writes must be the state of the save's iteration, copied before the step changed it.
-    stepped = threading.Event()
-    step = DistributedOptimizer.step
+    # The background thread of a save copies the state only once the training thread waits for the copy or
+    # has run the next optimizer step (or ends), and writes only after that step: what it writes must be the
+    # state of the save's iteration, copied before the step changed it. Gates per thread: no timing involved.
+    gates: dict[tuple[threading.Thread, str], threading.Event] = {}
 
-    def step_then_tell(self: DistributedOptimizer):  # noqa: ANN202 - the optimizer's own signature
+    def gate(thread: threading.Thread | None, kind: str) -> threading.Event:
+        return gates.setdefault((thread, kind), threading.Event())
+
+    def release(*kinds: str) -> None:  # the gates of the running save's thread
+        for kind in kinds:
+            gate(dist_checkpointing._AsyncWrite.thread, kind).set()
+
+    step, wait_staging, wait_save = (DistributedOptimizer.step, dist_checkpointing.wait_for_async_staging,
+                                     dist_checkpointing.wait_for_async_save)
+
+    def step_then_release(self: DistributedOptimizer):  # noqa: ANN202 - the optimizer's own signature
         result = step(self)
-        stepped.set()
+        release("copy", "write")  # a copy nothing waited for now sees the step's changes
         return result
 
-    def after_the_next_step() -> None:
-        stepped.clear()
-        stepped.wait(timeout=1.0)
+    def release_then_wait_staging() -> None:
+        release("copy")
+        wait_staging()
 
-    DistributedOptimizer.step = step_then_tell
-    dist_checkpointing.before_async_staging = after_the_next_step
-    dist_checkpointing.before_async_write = lambda: stepped.wait(timeout=1.0)
+    def release_then_wait_save() -> None:
+        release("copy", "write")
+        wait_save()
+
+    DistributedOptimizer.step = step_then_release
+    dist_checkpointing.wait_for_async_staging = release_then_wait_staging
+    dist_checkpointing.wait_for_async_save = release_then_wait_save
+    dist_checkpointing.before_async_staging = lambda: gate(threading.current_thread(), "copy").wait()
+    dist_checkpointing.before_async_write = lambda: gate(threading.current_thread(), "write").wait()
     # bf16: the separate fp32 masters are saved and loaded too.
     flags = RESUME_FLAGS + ["--zero-stage", "2", "--bf16", "--ckpt-format", "torch_dist", "--train-iters", "6",
                             "--save-interval", "3"]
@@ -107,9 +122,7 @@ def saved_state(root: str, iteration: int) -> dict:
 def test_async_save_writes_the_state_of_its_iteration_and_resumes_bitwise(tmp_path):
     """Staged during the next iteration, an async save equals a sync save of the same iteration bitwise
     (params, bf16 and fp32 masters, Adam moments, RNG states of both ranks)."""
-    for r in run_distributed(async_save_then_resume, 2, str(tmp_path)):
-        assert r["finished_at"] == 6
-        assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]
+    results = run_distributed(async_save_then_resume, 2, str(tmp_path))
     for iteration in (3, 6):
         sync, saved = saved_state(str(tmp_path / "sync"), iteration), saved_state(str(tmp_path / "async"), iteration)
         assert sorted(sync) == sorted(saved) and any(k.startswith("optimizer.master.") for k in sync)
@@ -118,6 +131,9 @@ def test_async_save_writes_the_state_of_its_iteration_and_resumes_bitwise(tmp_pa
                 assert torch.equal(value, saved[key]), (iteration, key)
             else:
                 assert_same_values(value, saved[key], (iteration, key))
+    for r in results:
+        assert r["finished_at"] == 6
+        assert len(r["straight"]) == 6 and r["resumed"] == r["straight"][3:]
 
 
 def assert_same_values(a, b, where) -> None:
