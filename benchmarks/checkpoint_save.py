@@ -9,7 +9,8 @@ cache (``posix_fadvise(DONTNEED)`` after fsync), so they come from the disk.
 Then training iterations (``train_step``, as the loop runs them) with saves in between, sync and async
 alternating. The time a save blocks the loop is the extra time of the iterations around it: from the
 start of the save call to the end of the first iteration after the write completed (for a sync save:
-the save and the next iteration), minus as many iterations without a save (their median). So it counts
+the save and the next iteration), minus as many iterations without a save (the median of the two just
+before and the two just after it: the load of a shared machine drifts). So it counts
 everything the save costs the loop: the call, waiting for the copy before the next optimizer step, and
 training slowed by the background copy and write competing for the cores. The first async save
 allocates its host buffers; it is reported apart from the later ones, which reuse them (as a training
@@ -169,18 +170,23 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
     def iteration() -> None:
         train_step(config, ps, pretrain_gpt.forward_step, data, model, optimizer, scheduler)
 
-    plain: list[dict[str, float]] = []  # iterations without a save
-    windows: dict[str, list[tuple[dict[str, float], int]]] = {"sync": [], "async": []}  # (seconds, iterations)
+    plain: list[list[dict[str, float]]] = []  # before each save and after the last: iterations without a save
+    windows: list[tuple[str, dict[str, float], int]] = []  # (sync or async, seconds, iterations)
     config.checkpoint.async_save = True  # train_step waits for an async save's copy before the step
     root = os.path.join(args.dir, "train")
     saves = ["async"] + [mode for trial in range(args.trials)
                          for mode in (("sync", "async") if trial % 2 == 0 else ("async", "sync"))]
     iteration()  # warm-up
-    for number, mode in enumerate(saves, 1):
+
+    def plain_iterations() -> None:
+        plain.append([])
         for _ in range(2):
             start = now()
             iteration()
-            plain.append(since(start))
+            plain[-1].append(since(start))
+
+    for number, mode in enumerate(saves, 1):
+        plain_iterations()
         shutil.rmtree(root, ignore_errors=True)
         config.checkpoint.async_save = mode == "async"
         start, count = now(), 1
@@ -191,24 +197,31 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
             iteration()
             count += 1
         dist_checkpointing.wait_for_async_save()
-        windows[mode].append((since(start), count))
+        windows.append((mode, since(start), count))
+    plain_iterations()
     shutil.rmtree(root, ignore_errors=True)
 
-    base = {k: statistics.median(p[k] for p in plain) for k in clock}
-    blocked = {mode: [{k: seconds[k] - count * base[k] for k in clock} for seconds, count in runs]
-               for mode, runs in windows.items()}
+    # Each save against the iterations just before and just after it: the machine's load drifts.
+    blocked: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    for (mode, seconds, count), before, after in zip(windows, plain, plain[1:]):
+        base = {k: statistics.median(p[k] for p in before + after) for k in clock}
+        blocked[mode].append({k: seconds[k] - count * base[k] for k in clock})
+    base = {k: statistics.median(p[k] for run in plain for p in run) for k in clock}
     sync = {k: statistics.median(b[k] for b in blocked["sync"]) for k in clock}
     first, later = blocked["async"][0], blocked["async"][1:]
     steady = {k: statistics.median(b[k] for b in later) for k in clock}
-    print(f"iteration without a save: {base['wall']:.2f} s wall, {base['cpu']:.2f} s CPU (median of {len(plain)})")
+    counts = [count for mode, _, count in windows[1:] if mode == "async"]
+    print(f"iteration without a save: {base['wall']:.2f} s wall, {base['cpu']:.2f} s CPU (median of "
+          f"{sum(map(len, plain))})")
     print(f"sync save blocks the loop:  {sync['wall']:.2f} s wall, {sync['cpu']:.2f} s CPU")
     print(f"async save blocks the loop: {steady['wall']:.2f} s wall = {100 * steady['wall'] / sync['wall']:.0f}% "
           f"of sync, {steady['cpu']:.2f} s CPU = {100 * steady['cpu'] / sync['cpu']:.0f}% (median of {len(later)} "
-          f"saves reusing their buffers, over {statistics.median(c for _, c in windows['async'][1:]):.0f} "
+          f"saves reusing their buffers, over {statistics.median(counts):.0f} "
           f"iterations); first save {first['wall']:.2f} s wall = {100 * first['wall'] / sync['wall']:.0f}%, "
           f"{first['cpu']:.2f} s CPU")
-    print("blocked per save:", {mode: [(round(b["wall"], 2), round(b["cpu"], 2)) for b in runs]
-                                for mode, runs in blocked.items()})
+    print("blocked per save (wall, CPU):", {mode: [(round(b["wall"], 2), round(b["cpu"], 2)) for b in runs]
+                                            for mode, runs in blocked.items()})
+    print("iterations without a save:", [[(round(p["wall"], 2), round(p["cpu"], 2)) for p in run] for run in plain])
 
 
 if __name__ == "__main__":
