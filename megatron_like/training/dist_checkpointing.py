@@ -319,11 +319,6 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
                 staged.set()  # also on failure: training must not wait forever, the error comes at the next wait
             if before_async_write is not None:
                 before_async_write()
-            # The write (DCP's serialization, the copies into the page cache) costs about as much CPU as
-            # a sync save; at the lowest priority it takes cores training leaves idle instead of slowing
-            # the iterations. Linux: the nice value of this thread alone (DCP writes in the calling thread).
-            with contextlib.suppress(AttributeError, OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             write({**buffers, **values}, _AsyncWrite.group)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait_for_async_save
             _AsyncWrite.error = error
