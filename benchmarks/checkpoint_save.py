@@ -2,10 +2,19 @@
 (with fsync) and read of as many bytes on the same disk, and how long ``--async-save`` blocks training.
 
 One process, a GPT of about 300M parameters (default: 20 layers, hidden 1024, vocab 50304, fp32) with
-Adam state (one optimizer step on random gradients). Each trial runs a DCP save + load and a raw write +
-read of the same bytes, in alternating order, so a slow period of the machine hits both sides; reads
-start with the files evicted from the page cache (``posix_fadvise(DONTNEED)`` after fsync), so they
-come from the disk. Then an ``--async-save``: the time it blocks the caller and until the write completed.
+Adam state. Each trial runs a DCP save + load and a raw write + read of the same bytes, in alternating
+order, so a slow period of the machine hits both sides; reads start with the files evicted from the page
+cache (``posix_fadvise(DONTNEED)`` after fsync), so they come from the disk.
+
+Then training iterations (``train_step``, as the loop runs them) with saves in between, sync and async
+alternating. The time a save blocks the loop is the extra time of the iterations around it: from the
+start of the save call to the end of the first iteration after the write completed (for a sync save:
+the save and the next iteration), minus as many iterations without a save (the median of the two just
+before and the two just after it: the load of a shared machine drifts). So it counts
+everything the save costs the loop: the call, waiting for the copy before the next optimizer step, and
+training slowed by the background copy and write competing for the cores. The first async save
+allocates its host buffers; it is reported apart from the later ones, which reuse them (as a training
+run's saves do). CPU seconds (all threads) beside wall seconds: the machine's load disturbs them less.
 
     .venv/bin/python benchmarks/checkpoint_save.py [--dir /tmp/ckpt_bench] [--trials 2]
 """
@@ -23,10 +32,12 @@ import torch
 
 import pretrain_gpt
 from megatron_like.config import parse_config
+from megatron_like.data.mock_dataset import MockGPTDataset
 from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel import seed_everything
 from megatron_like.training import dist_checkpointing
 from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
-from megatron_like.training.loop import build_model_chunks
+from megatron_like.training.loop import build_model_chunks, train_step
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.parallelize import parallelize
 
@@ -79,10 +90,11 @@ def main() -> None:
     torch.manual_seed(0)
     flags = ["--num-layers", str(args.layers), "--hidden-size", str(args.hidden), "--num-attention-heads", "16",
              "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
-             "--global-batch-size", "1", "--train-iters", "10", "--lr", "1e-4", "--mock-data",
+             "--global-batch-size", "1", "--train-iters", "1000", "--lr", "1e-4", "--mock-data",
              "--vocab-size", "50304", "--ckpt-format", "torch_dist"]
     config = parse_config(flags, world_size=1)
     ps = ParallelState.initialize(config.parallel, 1)
+    seed_everything(0, ps.tp_rank, ps.pp_rank)
     vocab = config.padded_vocab_size(config.model.vocab_size)
     model = build_model_chunks(config, ps, functools.partial(pretrain_gpt.model_provider, padded_vocab_size=vocab))
     _, optimizer = parallelize(config, ps, model)
@@ -93,7 +105,7 @@ def main() -> None:
     n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
     print(f"parameters: {n_params / 1e6:.0f}M")
 
-    times: dict[str, list[float]] = {k: [] for k in ("sync", "async", "complete", "load", "raw_write", "raw_read")}
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "load", "raw_write", "raw_read")}
     nbytes = 0
     raw = os.path.join(args.dir, "raw.bin")
     for trial in range(args.trials):
@@ -118,15 +130,6 @@ def main() -> None:
                 times["raw_write"].append(raw_write(raw, nbytes))
                 times["raw_read"].append(raw_read(raw))
                 os.remove(raw)
-        root = os.path.join(args.dir, "async")
-        shutil.rmtree(root, ignore_errors=True)
-        config.checkpoint.async_save = True
-        start = time.perf_counter()
-        save_checkpoint(root, trial + 1, config, ps, model, optimizer, scheduler, 0)
-        times["async"].append(time.perf_counter() - start)
-        dist_checkpointing.wait_for_async_save()
-        times["complete"].append(time.perf_counter() - start)
-    shutil.rmtree(args.dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     gb = nbytes / 1e9
     print(f"checkpoint bytes: {gb:.2f} GB (medians of {args.trials} trials)")
@@ -134,9 +137,8 @@ def main() -> None:
           f"{gb / med['raw_write']:.2f} GB/s: save at {100 * med['raw_write'] / med['sync']:.0f}% of raw")
     print(f"load:       {med['load']:.2f} s, {gb / med['load']:.2f} GB/s; raw read {med['raw_read']:.2f} s, "
           f"{gb / med['raw_read']:.2f} GB/s: load at {100 * med['raw_read'] / med['load']:.0f}% of raw")
-    print(f"async save blocks: {med['async']:.2f} s = {100 * med['async'] / med['sync']:.0f}% of sync; write "
-          f"complete after {med['complete']:.2f} s")
     print("per trial:", {k: [round(x, 2) for x in v] for k, v in times.items()})
+    blocking_in_training(args, config, ps, model, optimizer, scheduler)
 
 
 def directory_bytes(path: str) -> int:
@@ -151,6 +153,75 @@ def directory_bytes_of_first_save(directory: str, trial: int, config, ps, model,
     nbytes = directory_bytes(root)
     shutil.rmtree(root)
     return nbytes
+
+
+def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer, scheduler) -> None:
+    """Train with sync and async saves alternating; print the time each blocks the loop (module docstring)."""
+    dataset = MockGPTDataset(10_000, config.model.seq_length, config.model.vocab_size, 0)
+    data = iter(torch.utils.data.DataLoader(dataset, batch_size=1))
+    clock = {"wall": time.perf_counter, "cpu": time.process_time}
+
+    def now() -> dict[str, float]:
+        return {k: f() for k, f in clock.items()}
+
+    def since(start: dict[str, float]) -> dict[str, float]:
+        return {k: f() - start[k] for k, f in clock.items()}
+
+    def iteration() -> None:
+        train_step(config, ps, pretrain_gpt.forward_step, data, model, optimizer, scheduler)
+
+    plain: list[list[dict[str, float]]] = []  # before each save and after the last: iterations without a save
+    windows: list[tuple[str, dict[str, float], int]] = []  # (sync or async, seconds, iterations)
+    config.checkpoint.async_save = True  # train_step waits for an async save's copy before the step
+    root = os.path.join(args.dir, "train")
+    saves = ["async"] + [mode for trial in range(args.trials)
+                         for mode in (("sync", "async") if trial % 2 == 0 else ("async", "sync"))]
+    iteration()  # warm-up
+
+    def plain_iterations() -> None:
+        plain.append([])
+        for _ in range(2):
+            start = now()
+            iteration()
+            plain[-1].append(since(start))
+
+    for number, mode in enumerate(saves, 1):
+        plain_iterations()
+        shutil.rmtree(root, ignore_errors=True)
+        config.checkpoint.async_save = mode == "async"
+        start, count = now(), 1
+        save_checkpoint(root, number, config, ps, model, optimizer, scheduler, 0)
+        config.checkpoint.async_save = True
+        iteration()
+        while dist_checkpointing.writing():
+            iteration()
+            count += 1
+        dist_checkpointing.wait_for_async_save()
+        windows.append((mode, since(start), count))
+    plain_iterations()
+    shutil.rmtree(root, ignore_errors=True)
+
+    # Each save against the iterations just before and just after it: the machine's load drifts.
+    blocked: dict[str, list[dict[str, float]]] = {"sync": [], "async": []}
+    for (mode, seconds, count), before, after in zip(windows, plain, plain[1:]):
+        base = {k: statistics.median(p[k] for p in before + after) for k in clock}
+        blocked[mode].append({k: seconds[k] - count * base[k] for k in clock})
+    base = {k: statistics.median(p[k] for run in plain for p in run) for k in clock}
+    sync = {k: statistics.median(b[k] for b in blocked["sync"]) for k in clock}
+    first, later = blocked["async"][0], blocked["async"][1:]
+    steady = {k: statistics.median(b[k] for b in later) for k in clock}
+    counts = [count for mode, _, count in windows[1:] if mode == "async"]
+    print(f"iteration without a save: {base['wall']:.2f} s wall, {base['cpu']:.2f} s CPU (median of "
+          f"{sum(map(len, plain))})")
+    print(f"sync save blocks the loop:  {sync['wall']:.2f} s wall, {sync['cpu']:.2f} s CPU")
+    print(f"async save blocks the loop: {steady['wall']:.2f} s wall = {100 * steady['wall'] / sync['wall']:.0f}% "
+          f"of sync, {steady['cpu']:.2f} s CPU = {100 * steady['cpu'] / sync['cpu']:.0f}% (median of {len(later)} "
+          f"saves reusing their buffers, over {statistics.median(counts):.0f} "
+          f"iterations); first save {first['wall']:.2f} s wall = {100 * first['wall'] / sync['wall']:.0f}%, "
+          f"{first['cpu']:.2f} s CPU")
+    print("blocked per save (wall, CPU):", {mode: [(round(b["wall"], 2), round(b["cpu"], 2)) for b in runs]
+                                            for mode, runs in blocked.items()})
+    print("iterations without a save:", [[(round(p["wall"], 2), round(p["cpu"], 2)) for p in run] for run in plain])
 
 
 if __name__ == "__main__":

@@ -192,65 +192,104 @@ def _dcp_load(state: dict[str, Any], path: str) -> None:
 
 
 class _AsyncWrite:
-    """The one checkpoint write running in the background (``--async-save``), and its error if it failed."""
+    """The one checkpoint save running in the background (``--async-save``), and its error if it failed."""
 
     group: comm.Group = None  # a second process group: DCP's collectives there do not meet training's
     group_made = False
     thread: threading.Thread | None = None
+    staged: threading.Event | None = None  # set once the thread has copied the state (or failed to)
     error: BaseException | None = None
+    # The host copies of the last save, reused by the next one of the same shapes: a steady-state save
+    # pays one memcpy into memory already touched, not the page faults of gigabytes of fresh memory.
+    buffers: dict[str, GlobalPieces] = {}
 
 
+before_async_staging: Callable[[], None] | None = None
+"""Tests set this to run in the background thread before it copies the state (e.g. to wait for a step)."""
 before_async_write: Callable[[], None] | None = None
-"""Tests set this to run in the writer thread before it writes (e.g. to let training move on first)."""
+"""Tests set this to run in the background thread between the copy and the write."""
+
+
+def wait_for_async_staging() -> None:
+    """Block until the background save (if any) has copied the parameters and optimizer state.
+
+    ``train_step`` calls it right before the optimizer step, the first thing after a save that changes
+    them in place; the copy thus overlaps the next iteration's forward and backward. Errors of the
+    copy are raised by :func:`wait_for_async_save`."""
+    if _AsyncWrite.staged is not None:
+        _AsyncWrite.staged.wait()
+        _AsyncWrite.staged = None
+
+
+def writing() -> bool:
+    """Whether a background save is still running (not yet complete and named by the tracker)."""
+    return _AsyncWrite.thread is not None and _AsyncWrite.thread.is_alive()
 
 
 def wait_for_async_save() -> None:
-    """Block until the background write (if any) is complete and named by the tracker; re-raise its error.
+    """Block until the background save (if any) is complete and named by the tracker; re-raise its error.
 
     Called before the next save and at the end of training (by every rank)."""
     thread = _AsyncWrite.thread
     if thread is None:
         return
     thread.join()
-    _AsyncWrite.thread = None
+    _AsyncWrite.thread = _AsyncWrite.staged = None
     # Rank 0 wrote the tracker in its thread: every rank returns only after that.
     comm.barrier()
     if _AsyncWrite.error is not None:
         error, _AsyncWrite.error = _AsyncWrite.error, None
+        _AsyncWrite.buffers = {}  # a failed copy may have left them half-written or mis-shaped
         raise ckpt.CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
 
 
-def _staged(state: dict[str, Any]) -> dict[str, Any]:
-    """A host copy of everything ``state`` points into, so training may change its tensors meanwhile."""
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, GlobalPieces):
-            value = GlobalPieces(value.global_shape, [(o, t.detach().to("cpu", copy=True)) for o, t in value.pieces])
-        else:
-            value = copy.deepcopy(value)
-        out[key] = value
-    return out
+def _staging_buffers(pieces: dict[str, GlobalPieces]) -> dict[str, GlobalPieces]:
+    """Host tensors to copy ``pieces`` into: the previous save's when every key, offset, shape and dtype
+    matches (the usual case: the same run saving again), otherwise new ones (allocated, not yet touched).
+
+    One tensor per piece, not views of one buffer: DCP's writer clones a view that does not span its
+    whole storage before writing it."""
+    def signature(state: dict[str, GlobalPieces]) -> list:
+        return [(k, [(o, t.shape, t.dtype) for o, t in v.pieces]) for k, v in state.items()]
+
+    if signature(_AsyncWrite.buffers) != signature(pieces):
+        _AsyncWrite.buffers = {}  # freed before the new ones are allocated
+        _AsyncWrite.buffers = {
+            k: GlobalPieces(v.global_shape, [(o, torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+                                             for o, t in v.pieces]) for k, v in pieces.items()}
+    return _AsyncWrite.buffers
+
+
+def _copy_pieces(source: dict[str, GlobalPieces], target: dict[str, GlobalPieces]) -> None:
+    for key, value in source.items():
+        for (_, src), (_, dst) in zip(value.pieces, target[key].pieces):
+            dst.copy_(src.detach())
 
 
 def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
                          optimizer: Any, scheduler: Any, consumed_samples: int) -> str:
     """Save ``iteration`` in the torch_dist format; all ranks call it together. Returns the iteration directory.
 
-    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards. With
-    ``--async-save`` the state is copied to host memory here and written by a background thread; rank 0
+    The parameters need not be gathered at ZeRO-3: every rank writes from its persistent shards. Rank 0
     names the checkpoint in the tracker only once DCP's save returned, i.e. once every rank's pieces and
     the index are on disk, so the tracker never names an incomplete checkpoint.
+
+    With ``--async-save`` this returns at once: the small values (RNG states, buffers, scheduler, loss
+    scaler) are copied here, the parameter and optimizer pieces by a background thread into reused host
+    buffers, which then writes them. Until :func:`wait_for_async_staging` returns, nothing may change the
+    parameters or the optimizer state in place (``train_step`` waits right before the optimizer step).
     """
     wait_for_async_save()
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
-    state: dict[str, Any] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
-    if ps.tp_rank == 0 and ps.dp_rank == 0:
-        state.update({key: buffer.detach().cpu() for key, buffer in model_buffers(model).items()})
+    pieces: dict[str, GlobalPieces] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
     save_optim = optimizer is not None and config.checkpoint.save_optim
     if save_optim:
-        state.update(optimizer_save_pieces(optimizer, model, ps))
-    state[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
+        pieces.update(optimizer_save_pieces(optimizer, model, ps))
+    values: dict[str, Any] = {}
+    if ps.tp_rank == 0 and ps.dp_rank == 0:
+        values.update({key: buffer.detach().cpu() for key, buffer in model_buffers(model).items()})
+    values[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
     common = {
         "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -260,25 +299,34 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         "layout": _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size),
     }
 
-    def write(group: comm.Group) -> None:
+    def write(state: dict[str, Any], group: comm.Group) -> None:
         _dcp_save(state, path, group)
         if ps.rank == 0:  # DCP's save returns once every rank's pieces and the index are written
             ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
             ckpt.write_tracker(root, iteration)
 
     if not config.checkpoint.async_save:
-        write(None)
+        write({**pieces, **values}, None)
         comm.barrier()  # every rank returns once the tracker names the new checkpoint
         return path
     if not _AsyncWrite.group_made:
         _AsyncWrite.group, _AsyncWrite.group_made = comm.new_world_group(), True
-    state, common = _staged(state), copy.deepcopy(common)
+    # Buffers (a QAT range changes in every forward) and the rest are small: copied before training goes on.
+    values, common = copy.deepcopy(values), copy.deepcopy(common)
+    buffers = _staging_buffers(pieces)
+    staged = _AsyncWrite.staged = threading.Event()
 
     def background() -> None:
         try:
+            try:
+                if before_async_staging is not None:
+                    before_async_staging()
+                _copy_pieces(pieces, buffers)
+            finally:
+                staged.set()  # also on failure: training must not wait forever, the error comes at the next wait
             if before_async_write is not None:
                 before_async_write()
-            write(_AsyncWrite.group)
+            write({**buffers, **values}, _AsyncWrite.group)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait_for_async_save
             _AsyncWrite.error = error
 

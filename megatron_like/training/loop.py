@@ -180,6 +180,12 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     moe_losses = reduce_aux_losses(moe_loss_names(config), [i for i, moe in enumerate(config.model.moe_layer_pattern)
                                                             if moe], config.num_microbatches, ps)
     data_parallel.finish_grad_sync()
+    if config.checkpoint.async_save:
+        # A save of the previous iteration may still be copying the params and optimizer state in the
+        # background (dist_checkpointing.py): the step is the first thing that changes them in place.
+        from megatron_like.training.dist_checkpointing import wait_for_async_staging
+
+        wait_for_async_staging()
     result = optimizer.step()
     if result.successful:
         scheduler.step()
