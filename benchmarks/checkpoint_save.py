@@ -26,9 +26,13 @@ import functools
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import torch
+
+# Run as `python benchmarks/...` from anywhere: the repository root holds pretrain_gpt.py, megatron_like/ and tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pretrain_gpt
 from megatron_like.config import parse_config
@@ -170,6 +174,19 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
     def iteration() -> None:
         train_step(config, ps, pretrain_gpt.forward_step, data, model, optimizer, scheduler)
 
+    # The loop's own waits (the save call, and train_step waiting for the copy before the optimizer step): what
+    # an async save blocks when the training does not need the cores the write uses (a GPU run's host).
+    waited = [0.0]
+    wait_for_staging = dist_checkpointing.wait_for_async_staging
+
+    @functools.wraps(wait_for_staging)
+    def timed_wait_for_staging() -> None:
+        start = time.perf_counter()
+        wait_for_staging()
+        waited[0] += time.perf_counter() - start
+
+    dist_checkpointing.wait_for_async_staging = timed_wait_for_staging
+    waits: dict[str, list[float]] = {"sync": [], "async": []}
     plain: list[list[dict[str, float]]] = []  # before each save and after the last: iterations without a save
     windows: list[tuple[str, dict[str, float], int]] = []  # (sync or async, seconds, iterations)
     config.checkpoint.async_save = True  # train_step waits for an async save's copy before the step
@@ -191,6 +208,7 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
         config.checkpoint.async_save = mode == "async"
         start, count = now(), 1
         save_checkpoint(root, number, config, ps, model, optimizer, scheduler, 0)
+        waited[0] = time.perf_counter() - start["wall"]
         config.checkpoint.async_save = True
         iteration()
         while dist_checkpointing.writing():
@@ -198,6 +216,7 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
             count += 1
         dist_checkpointing.wait_for_async_save()
         windows.append((mode, since(start), count))
+        waits[mode].append(waited[0])
     plain_iterations()
     shutil.rmtree(root, ignore_errors=True)
 
@@ -219,9 +238,15 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
           f"saves reusing their buffers, over {statistics.median(counts):.0f} "
           f"iterations); first save {first['wall']:.2f} s wall = {100 * first['wall'] / sync['wall']:.0f}%, "
           f"{first['cpu']:.2f} s CPU")
+    loop_waits = statistics.median(waits["async"][1:])
+    print(f"async save: the loop itself waits {loop_waits:.2f} s (the call and the copy before the optimizer step) = "
+          f"{100 * loop_waits / statistics.median(waits['sync']):.0f}% of a sync save's call "
+          f"({statistics.median(waits['sync']):.2f} s); the rest of its blocked time is the background copy and write "
+          f"competing with training for the cores")
     print("blocked per save (wall, CPU):", {mode: [(round(b["wall"], 2), round(b["cpu"], 2)) for b in runs]
                                             for mode, runs in blocked.items()})
     print("iterations without a save:", [[(round(p["wall"], 2), round(p["cpu"], 2)) for p in run] for run in plain])
+    dist_checkpointing.wait_for_async_staging = wait_for_staging
 
 
 if __name__ == "__main__":

@@ -20,9 +20,14 @@ Timings on a shared machine are noisy; compare the two modes from one run.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
+
+# Run as `python benchmarks/...` from anywhere: the repository root holds pretrain_gpt.py, megatron_like/ and tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_like.config import ModelConfig, ParallelConfig
 from megatron_like.model.transformer import TransformerLayer
