@@ -10,7 +10,8 @@ Sides (each rank runs its own ``[s, b, h]`` micro batch; SwiGLU experts, fp32):
 - ``ep1``: the same router and all E experts on every rank, no exchange (the layer's compute alone).
 - ``dense``: one SwiGLU MLP of hidden ``k f`` (the FLOPs of a token's k experts; no router, no permutation).
 
-Timing: per step, rank 0's wall time between barriers around a forward + backward; the sides alternate step by
+Timing: per step, rank 0's wall time between barriers around a forward + backward, and each rank's CPU seconds
+(the busier rank's median: far less disturbed by other jobs on the machine); the sides alternate step by
 step so a slow period of the machine hits each; medians. ``tokens/s`` counts both ranks' tokens. Traffic: the
 bytes rank 0 sends during one ep2 step (``collectives.count_traffic``) against
 ``planning.simulator.expert_parallel_bytes`` (balanced routing). Timings on a shared machine are noisy: compare
@@ -65,13 +66,15 @@ def run_sides(rank: int, world_size: int, hidden: int, experts: int, topk: int, 
     }
     x = torch.randn(tokens, 1, hidden, generator=torch.Generator().manual_seed(rank))
 
-    def step(name: str) -> float:
+    def step(name: str) -> tuple[float, float]:
+        """(wall, CPU) seconds of one forward + backward; CPU counts the process (gloo's threads included)."""
         inp = x.clone().requires_grad_(True)
         collectives.barrier(ps.dp_group)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         layers[name](inp).square().mean().backward()
+        cpu = time.process_time() - start_cpu  # before the barrier: a rank waiting for the other spins gloo
         collectives.barrier(ps.dp_group)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, cpu
 
     sent = {}
     for name in SIDES:  # warm-up, and the traffic of one step
@@ -79,11 +82,14 @@ def run_sides(rank: int, world_size: int, hidden: int, experts: int, topk: int, 
             step(name)
         sent[name] = traffic.bytes_sent
     times: dict[str, list[float]] = {name: [] for name in SIDES}
+    cpu: dict[str, list[float]] = {name: [] for name in SIDES}
     for i in range(steps):
         order = SIDES if i % 2 == 0 else SIDES[::-1]
         for name in order:
-            times[name].append(step(name))
-    return {"times": times, "sent": sent}
+            wall, cpu_seconds = step(name)
+            times[name].append(wall)
+            cpu[name].append(cpu_seconds)
+    return {"times": times, "cpu": cpu, "sent": sent}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,9 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# hidden {args.hidden}, {args.experts} experts top-{args.topk} of hidden {args.ffn} (SwiGLU), "
           f"{args.tokens} tokens per rank, fp32, 2 processes x 1 thread, {args.steps} timed steps per side, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| side | s/step (median) | tokens/s | vs ep1 | sent KiB/rank | planned KiB/rank |")
-    print("|---|---|---|---|---|---|")
+    print("| side | s/step (median) | tokens/s | vs ep1 (wall) | CPU s/step/rank | vs ep1 (CPU) | sent KiB/rank "
+          "| planned KiB/rank |")
+    print("|---|---|---|---|---|---|---|---|")
     ep1 = statistics.median(rank0["times"]["ep1"])
+
+    def cpu_per_step(name: str) -> float:  # the busier rank's median
+        return max(statistics.median(r["cpu"][name]) for r in results)
+
     for name in SIDES:
         median = statistics.median(rank0["times"][name])
         planned = "-"
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
             config = parse_config(flags(*sizes, name.split()[1]), world_size=2)
             planned = f"{expert_parallel_bytes(config, 0) / 1024:.1f}"
         print(f"| {name} | {median:.4f} | {2 * args.tokens / median:,.0f} | {ep1 / median:.2f} | "
+              f"{cpu_per_step(name):.4f} | {cpu_per_step('ep1') / cpu_per_step(name):.2f} | "
               f"{rank0['sent'][name] / 1024:.1f} | {planned} |")
 
 
