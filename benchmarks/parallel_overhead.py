@@ -112,10 +112,10 @@ class Sizes:
 SMALL = Sizes(layers=4, hidden=64, heads=4, seq=32, vocab=1024, global_batch=8)
 ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=8)
 # A model whose states (params, grads, two Adam moments: 16 bytes a parameter unsharded) dominate the step's
-# activations: wide and deep, small vocab, short sequence, micro batch 2 per rank at dp 2. 57.5 M parameters
-# (878 MiB of states) against well under 100 MiB of activations; the size at which issue 16's "ZeRO-3 at most 60%
+# activations: wide and deep, small vocab, short sequence, micro batch 2 per rank at dp 2. 25.8 M parameters
+# (393 MiB of states) against tens of MiB of activations; the size at which issue 16's "ZeRO-3 at most 60%
 # of plain dp's peak" is read.
-STATES_DOMINATE = Sizes(layers=8, hidden=768, heads=12, seq=64, vocab=1024, global_batch=4)
+STATES_DOMINATE = Sizes(layers=8, hidden=512, heads=8, seq=64, vocab=1024, global_batch=4)
 
 
 def our_config(mode: str, sizes: Sizes, world: int) -> Config:
@@ -568,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--issue-sizes", action="store_true",
                         help="GPT 6 layers, hidden 512, 8 heads, seq 256, vocab 50304, global batch 8")
     parser.add_argument("--states-dominate", action="store_true",
-                        help="GPT 8 layers, hidden 768, 12 heads, seq 64, vocab 1024, global batch 4: parameters, "
+                        help="GPT 8 layers, hidden 512, 8 heads, seq 64, vocab 1024, global batch 4: parameters, "
                         "gradients and Adam moments dominate the step's activations")
     args = parser.parse_args(argv)
     if args.issue_sizes and args.states_dominate:
