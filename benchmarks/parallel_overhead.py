@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/parallel_overhead.py                      # small sizes, every mode
     .venv/bin/python benchmarks/parallel_overhead.py --issue-sizes --modes dp zero3 --steps 3
+    .venv/bin/python benchmarks/parallel_overhead.py --states-dominate --modes dp zero1 zero2 zero3 --steps 3
 
 Modes (ours vs the PyTorch peer):
 
@@ -110,6 +111,11 @@ class Sizes:
 
 SMALL = Sizes(layers=4, hidden=64, heads=4, seq=32, vocab=1024, global_batch=8)
 ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=8)
+# A model whose states (params, grads, two Adam moments: 16 bytes a parameter unsharded) dominate the step's
+# activations: wide and deep, small vocab, short sequence, micro batch 2 per rank at dp 2. 25.8 M parameters
+# (393 MiB of states) against tens of MiB of activations; the size at which issue 16's "ZeRO-3 at most 60%
+# of plain dp's peak" is read.
+STATES_DOMINATE = Sizes(layers=8, hidden=512, heads=8, seq=64, vocab=1024, global_batch=4)
 
 
 def our_config(mode: str, sizes: Sizes, world: int) -> Config:
@@ -561,14 +567,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--issue-sizes", action="store_true",
                         help="GPT 6 layers, hidden 512, 8 heads, seq 256, vocab 50304, global batch 8")
+    parser.add_argument("--states-dominate", action="store_true",
+                        help="GPT 8 layers, hidden 512, 8 heads, seq 64, vocab 1024, global batch 4: parameters, "
+                        "gradients and Adam moments dominate the step's activations")
     args = parser.parse_args(argv)
+    if args.issue_sizes and args.states_dominate:
+        parser.error("--issue-sizes and --states-dominate are two presets: pass one")
     if args.world_size != 2 and set(args.modes) - set(DATA_PARALLEL_MODES):
         parser.error(f"--world-size {args.world_size}: only {', '.join(DATA_PARALLEL_MODES)} run on other than 2 "
                      "processes (tp and pp are written for 2); pass --modes with those")
     os.environ["OMP_NUM_THREADS"] = "1"
     from tests.distributed.harness import run_distributed
 
-    sizes = ISSUE if args.issue_sizes else SMALL
+    sizes = ISSUE if args.issue_sizes else STATES_DOMINATE if args.states_dominate else SMALL
     print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
           f"load average {os.getloadavg()[0]:.1f}")
     print("| mode | implementation | s/step (median) | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank "

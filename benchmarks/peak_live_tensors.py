@@ -6,7 +6,7 @@ every allocation's pointer, size and the ops / Python frames around it; replayin
 order gives the live tensors at the moment of the measured step's peak. Rank 0's live set is printed grouped by
 where each tensor was made ("before": made before the measured step, e.g. parameters and optimizer states).
 
-    .venv/bin/python benchmarks/peak_live_tensors.py zero3 [--issue-sizes] [--rows 25]
+    .venv/bin/python benchmarks/peak_live_tensors.py zero3 [--issue-sizes | --states-dominate] [--ops-only] [--rows 25]
 """
 
 from __future__ import annotations
@@ -44,9 +44,13 @@ def _site(event: object, depth: int = 4) -> str:
     return " <- ".join(names)
 
 
-def live_at_peak(build: bench.Callable[[], bench.Step]) -> tuple[int, list[tuple[str, int, int]]]:
-    """``(peak bytes, [(site, bytes, tensors)] alive at that moment, largest first)`` of the measured step."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
+def live_at_peak(build: bench.Callable[[], bench.Step],
+                 with_stack: bool = True) -> tuple[int, list[tuple[str, int, int]]]:
+    """``(peak bytes, [(site, bytes, tensors)] alive at that moment, largest first)`` of the measured step.
+
+    ``with_stack=False`` names sites by the enclosing ops only: far less profiler memory (the Python frames of a
+    step of a large model took gigabytes per process)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=with_stack) as prof:
         step = build()
         step()
         with record_function(bench.MARK):
@@ -80,12 +84,12 @@ def live_at_peak(build: bench.Callable[[], bench.Step]) -> tuple[int, list[tuple
     return peak, sorted(((site, b, n) for site, (b, n) in groups.items()), key=lambda row: -row[1])
 
 
-def run(rank: int, world: int, mode: str, sizes: bench.Sizes) -> dict | None:
+def run(rank: int, world: int, mode: str, sizes: bench.Sizes, with_stack: bool) -> dict | None:
     torch.set_num_threads(1)
     config = bench.our_config(mode, sizes, world)
     tokens = bench.global_batch(config, sizes.vocab)
-    result = {"ours": live_at_peak(lambda: bench.build_ours(config, tokens)),
-              "peer": live_at_peak(lambda: bench.PEERS[mode][1](config, tokens))}
+    result = {"ours": live_at_peak(lambda: bench.build_ours(config, tokens), with_stack),
+              "peer": live_at_peak(lambda: bench.PEERS[mode][1](config, tokens), with_stack)}
     return result if rank == 0 else None
 
 
@@ -93,13 +97,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=bench.DATA_PARALLEL_MODES)
     parser.add_argument("--issue-sizes", action="store_true")
+    parser.add_argument("--states-dominate", action="store_true", help="parallel_overhead.py's preset of that name")
+    parser.add_argument("--ops-only", action="store_true",
+                        help="name allocation sites by the enclosing ops, without Python frames (less memory)")
     parser.add_argument("--rows", type=int, default=25, help="largest groups shown per side")
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     from tests.distributed.harness import run_distributed
 
-    sizes = bench.ISSUE if args.issue_sizes else bench.SMALL
-    result = run_distributed(run, 2, args.mode, sizes, timeout=3600)[0]
+    sizes = bench.ISSUE if args.issue_sizes else bench.STATES_DOMINATE if args.states_dominate else bench.SMALL
+    result = run_distributed(run, 2, args.mode, sizes, not args.ops_only, timeout=3600)[0]
     for side, name in (("ours", "megatron_like"), ("peer", bench.PEERS[args.mode][0])):
         peak, rows = result[side]
         print(f"== {args.mode}, {name}: peak {peak / 2**20:.1f} MiB live on rank 0")

@@ -126,3 +126,17 @@ def test_zero_flat_collectives_on_gloo_avoid_torchs_full_size_copies():
     for result in run_distributed(_flat_collectives_on_gloo, WORLD):
         assert result["shard_error"] < 1e-6 and result["params_error"] < 1e-6, result
         assert set(result["ops"]) == {"alltoall_base_", "broadcast_"}, result["ops"]
+
+
+def test_states_dominate_preset_is_dominated_by_states():
+    """``--states-dominate`` is where issue 16 reads "ZeRO-3 at most 60% of dp's peak": by the planner, dp's
+    params, fp32 gradients and Adam moments must outweigh the step's activations by 10x there (at the issue sizes
+    the logits dominate instead)."""
+    from megatron_like.planning.simulator import plan_run
+
+    sizes = bench.STATES_DOMINATE
+    config = bench.our_config("dp", sizes, WORLD)
+    rank = plan_run(config, config.padded_vocab_size(sizes.vocab), device="cpu").ranks[0]
+    states = rank.weight_bytes + rank.grad_bytes + rank.optimizer_bytes
+    assert states == 16 * rank.params
+    assert states >= 10 * rank.activations.total, (states / 2**20, rank.activations.total / 2**20)
