@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_like.config import ParallelConfig
-from megatron_like.inference import GenerationParams, generate, load_inference_model
+from megatron_like.inference import GenerationParams, generate, load_inference_model, serving
 from megatron_like.model import GPTModel
 from megatron_like.model.state import gather_full_state
 from megatron_like.parallel_state import ParallelState
@@ -113,10 +113,18 @@ def mixtral_ep_worker(rank: int, world_size: int, converted: str, torch_ep2: str
     tokens = {name: [[g.token_ids for g in seqs] for seqs in generate(loaded.model, MIXTRAL_PROMPTS, params,
                                                                        vocab_size=loaded.vocab_size)]
               for name, params in runs.items()}
+    # The server's path (tools/text_generation_server.py): rank 0's request broadcast to the ep x tp ranks,
+    # every rank serving it in lockstep.
+    served = []
+    for request in ({"ids": MIXTRAL_PROMPTS, "params": {"max_new_tokens": 12}},
+                    {"ids": MIXTRAL_PROMPTS[:1], "params": {"max_new_tokens": 8, "do_sample": True}}):
+        outcome = serving.serve_request(loaded, serving.broadcast_request(request if rank == 0 else None, ps.device),
+                                        ps.device)
+        served.append((outcome.status, [[g.token_ids for g in seqs] for seqs in outcome.results or []]))
     # Evaluation at ep2 inside dp4 (tp1): two replicas of two ep ranks each split the windows.
     ps = ParallelState.initialize(ParallelConfig(expert_model_parallel_size=2), 4)
     chunk = load_inference_model(converted, ps).model[0]
-    return {"logits": logits, "tokens": tokens, "perplexity": mixtral_perplexity(chunk)}
+    return {"logits": logits, "tokens": tokens, "served": served, "perplexity": mixtral_perplexity(chunk)}
 
 
 def mixtral_perplexity(chunk) -> float:
@@ -128,7 +136,8 @@ def mixtral_perplexity(chunk) -> float:
 
 def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(tmp_path):
     """HF Mixtral -> ours recorded at ep2 x tp2 (tools/convert_hf.py) -> torch format at ep2 (a file per ep rank)
-    -> generation at ep2 x tp2 (4 processes): the logits and greedy tokens of transformers; evaluation at ep2 in
+    -> generation at ep2 x tp2 (4 processes) and the server's lockstep serving there: the logits and greedy tokens
+    of transformers; evaluation at ep2 in
     dp4 equals one process's; and that torch-format ep2 checkpoint converts back to the published tensors."""
     from megatron_like.inference import hf_gpt2
     from tests.unit.test_hf_llama import convert_hf
@@ -156,6 +165,8 @@ def test_mixtral_converted_at_ep2_generates_like_transformers_and_converts_back(
         torch.testing.assert_close(result["logits"], expected_logits, rtol=5e-5, atol=5e-5)
         assert result["tokens"]["greedy"] == expected_tokens
         assert result["tokens"] == results[0]["tokens"]
+        assert result["served"][0] == (200, expected_tokens)  # served greedy = transformers' greedy
+        assert result["served"] == results[0]["served"] and result["served"][1][0] == 200
     convert_hf.main(["to-hf", "--load", torch_ep2, "--save", back])
     _, original = hf_gpt2.read_hf_dir(str(tmp_path / "hf"))
     _, converted_back = hf_gpt2.read_hf_dir(back)
