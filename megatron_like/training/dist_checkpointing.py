@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import io
 import os
@@ -314,7 +315,9 @@ class _DirectReader(FileSystemReader):
                 and byteorder == b"little" and archive.get_record_size(saved.record) == target.nbytes):
             return False
         file.seek(info.offset + archive.get_record_offset(saved.record))
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        # A view of the destination's bytes through ctypes: `.numpy()` would mark its storage non-resizable,
+        # and ZeRO-3 frees gathered parameters by resizing their storage to 0.
+        view = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
         while len(view):
             got = file.readinto(view)
             if not got:
