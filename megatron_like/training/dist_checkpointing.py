@@ -263,10 +263,11 @@ def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
 class _DirectReader(FileSystemReader):
     """DCP's file reader that reads a whole saved tensor straight into its destination tensor.
 
-    Taken per item when: the item is the whole saved tensor (same layout: no sub-range of another
-    layout's piece), the destination is a contiguous CPU tensor of the saved dtype and shape, and the saved
-    tensor is a plain contiguous one without a storage offset. Every other item (bytes, sub-ranges,
-    strided destinations) goes through the parent's ``read_data``. ``direct`` and ``fallback`` count the
+    Taken per item when: the item is the whole saved tensor (not a sub-range of a chunk that this layout
+    splits; at the saved layout every item is whole), the destination is a contiguous CPU tensor of the
+    saved dtype and shape, and the saved tensor is a plain contiguous one without a storage offset. Every
+    other item (bytes, sub-ranges, strided destinations) goes through the parent's ``read_data``.
+    ``direct`` and ``fallback`` count the
     tensor items each way (tests check which path a load took; bytes always take the parent's).
     """
 
