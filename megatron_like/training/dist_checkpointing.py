@@ -267,8 +267,8 @@ class _DirectReader(FileSystemReader):
     splits; at the saved layout every item is whole), the destination is a contiguous CPU tensor of the
     saved dtype and shape, and the saved tensor is a plain contiguous one without a storage offset. Every
     other item (bytes, sub-ranges, strided destinations) goes through the parent's ``read_data``.
-    ``direct`` and ``fallback`` count the
-    tensor items each way (tests check which path a load took; bytes always take the parent's).
+    ``direct`` and ``fallback`` count the tensor items each way (tests check which path a load took; bytes
+    always take the parent's).
     """
 
     def __init__(self, path: str) -> None:
