@@ -30,9 +30,14 @@ group, so its ``save`` and ``load`` are called here rather than through ``megatr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import ctypes
+import dataclasses
+import io
 import os
+import pickle
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -52,6 +57,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
+    LoadPlanner,
     ReadItem,
     SavePlan,
     TensorWriteData,
@@ -59,6 +65,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from megatron_like import collectives as comm
 from megatron_like.config import Config
@@ -166,6 +173,162 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
 
 
+# --------------------------------------------------------------------------------------------------
+# Reader: whole saved tensors read straight into their destination
+# --------------------------------------------------------------------------------------------------
+
+# DCP stores each tensor item as a torch.save zip inside the rank's .distcp file. Its reader torch.loads
+# the item into a freshly allocated tensor (first touch of every page), then copies it into the destination:
+# twice the memory traffic of the bytes on disk. When the item is the whole saved tensor and the
+# destination is contiguous with the same dtype and size, the storage record's bytes are exactly the
+# destination's, and one readinto() does it.
+
+# torch.save's storage classes (the pickle names them) and their element types.
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
+    "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+}
+
+
+@dataclasses.dataclass
+class _SavedTensor:
+    """What an item's ``data.pkl`` says about its one tensor (read without touching the storage bytes)."""
+
+    dtype: torch.dtype
+    record: str  # the storage's record name in the zip, e.g. ``data/0``
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Unpickles a ``torch.save``'d plain tensor into a :class:`_SavedTensor`; anything else is refused
+    (UnpicklingError), and the item goes through DCP's own reader."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *_: _SavedTensor(
+                storage[0], f"data/{storage[1]}", storage[2], offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> tuple[torch.dtype, str, int]:
+        kind, dtype, key, _location, numel = pid  # ("storage", element type, key, "cpu", numel)
+        if kind != "storage" or not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(str(pid))
+        return dtype, key, numel
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a seekable file of their own (one DCP item)."""
+
+    def __init__(self, file: io.RawIOBase, start: int, length: int) -> None:
+        super().__init__()
+        self.file, self.start, self.length, self.pos = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")[:max(0, self.length - self.pos)]
+        self.file.seek(self.start + self.pos)
+        got = self.file.readinto(view) or 0
+        self.pos += got
+        return got
+
+
+def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class _DirectReader(FileSystemReader):
+    """DCP's file reader that reads a whole saved tensor straight into its destination tensor.
+
+    Taken per item when: the item is the whole saved tensor (not a sub-range of a chunk that this layout
+    splits; at the saved layout every item is whole), the destination is a contiguous CPU tensor of the
+    saved dtype and shape, and the saved tensor is a plain contiguous one without a storage offset. Every
+    other item (bytes, sub-ranges, strided destinations) goes through the parent's ``read_data``.
+    ``direct`` and ``fallback`` count the tensor items each way (tests check which path a load took; bytes
+    always take the parent's).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.direct = self.fallback = 0
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        rest = []
+        for relative_path, items in per_file.items():
+            with open(os.path.join(self.path, relative_path), "rb", buffering=0) as file:
+                # In file order: one forward pass over the file.
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    if item.type == LoadItemType.BYTE_IO or not self._read_into(file, item, planner):
+                        rest.append(item)
+        self.direct += len(plan.items) - len(rest)
+        self.fallback += sum(item.type != LoadItemType.BYTE_IO for item in rest)
+        if rest:
+            return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_into(self, file: io.RawIOBase, item: ReadItem, planner: LoadPlanner) -> bool:
+        """Read ``item`` into its destination and commit it; False (nothing read) when it does not qualify."""
+        info = self.storage_data[item.storage_index]
+        if info.transform_descriptors or any(item.storage_offsets):
+            return False
+        target = planner.resolve_tensor(item).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
+            return False
+        window = _Window(file, info.offset, info.length)
+        try:
+            archive = torch._C.PyTorchFileReader(window)
+            saved = _TensorPickle(io.BytesIO(archive.get_record("data.pkl"))).load()
+            byteorder = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
+        except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError):
+            return False
+        lengths = tuple(item.lengths)
+        if not (isinstance(saved, _SavedTensor) and saved.dtype == target.dtype and saved.storage_offset == 0
+                and saved.size == lengths == tuple(target.shape) and saved.storage_numel == target.numel()
+                and (saved.stride == _contiguous_strides(saved.size) or target.numel() == 1)
+                and byteorder == b"little" and archive.get_record_size(saved.record) == target.nbytes):
+            return False
+        file.seek(info.offset + archive.get_record_offset(saved.record))
+        # A view of the destination's bytes through ctypes: `.numpy()` would mark its storage non-resizable,
+        # and ZeRO-3 frees gathered parameters by resizing their storage to 0.
+        view = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
+        while len(view):
+            got = file.readinto(view)
+            if not got:
+                raise ckpt.CheckpointError(f"{os.path.join(self.path, info.relative_path)} ends inside "
+                                           f"{item.storage_index.fqn} (a truncated checkpoint?)")
+            view = view[got:]
+        planner.commit_tensor(item, target)
+        return True
+
+
 @contextlib.contextmanager
 def _process_group_or_none() -> Iterator[bool]:
     """Yields DCP's ``no_dist``: True in a single-process run, where DCP's warning that it runs without a
@@ -181,9 +344,13 @@ def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> Non
                  process_group=group)
 
 
-def _dcp_load(state: dict[str, Any], path: str) -> None:
+def _dcp_load(state: dict[str, Any], path: str) -> _DirectReader:
+    """Read ``state`` (``GlobalPieces`` in place, None for plain values) from iteration directory ``path``;
+    returns the reader (its counts of items read directly and through DCP's reader)."""
+    reader = _DirectReader(path)
     with _process_group_or_none() as no_dist:
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=no_dist)
+    return reader
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,7 +634,7 @@ def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) 
     state.update({k: None for k in keys if k not in out})  # plain values (buffers) are read whole
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=FileSystemReader(path), planner=_LoadPlanner(), no_dist=True)
+        dcp.load(state, storage_reader=_DirectReader(path), planner=_LoadPlanner(), no_dist=True)
     return {k: out[k] if k in out else state[k] for k in keys}
 
 

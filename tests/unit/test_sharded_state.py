@@ -37,16 +37,52 @@ def test_clip_to_drops_rows_beyond_a_smaller_saved_vocabulary():
     assert pieces[1][1].data_ptr() == local[4].data_ptr()  # a view: loads land in place
 
 
-def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path):
+def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path, monkeypatch):
+    from megatron_like.training import dist_checkpointing
+
     flags = ["--hidden-dropout", "0.1", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
     straight = train_gpt(0, 1, flags + ["--train-iters", "4"])
     train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path), "--ckpt-format", "torch_dist"])
     assert (tmp_path / "iter_0000002" / ".metadata").exists()
+    readers = []
+    read_data = dist_checkpointing._DirectReader.read_data
+    monkeypatch.setattr(dist_checkpointing._DirectReader, "read_data",
+                        lambda self, *args: (readers.append(self), read_data(self, *args))[1])
     # Loaded with --ckpt-format torch (the format of this run's own saves): --load reads it from the directory.
     resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--ckpt-format", "torch"])
     assert resumed["losses"] == straight["losses"][2:]
+    # Same layout: every tensor (weights, both moments) was read straight into its destination.
+    assert [(r.direct > 0, r.fallback) for r in readers] == [(True, 0)]
     with pytest.raises(CheckpointError, match="--hidden-size 64 but this run has 32"):
         train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--hidden-size", "32"])
+
+
+def test_direct_reads_take_whole_saved_pieces_and_leave_the_rest_to_dcp(tmp_path):
+    """The torch_dist reader reads a saved piece straight into a contiguous destination of its dtype and
+    shape (also a row range of a bigger one, as tp2 -> tp1 does); sub-ranges of a saved piece (another
+    layout's split) and strided destinations go through DCP's reader. Every way loads the same values."""
+    from megatron_like.model.sharded_state import GlobalPieces
+    from megatron_like.training.dist_checkpointing import _dcp_load, _dcp_save
+
+    a, b = torch.randn(6, 4), torch.randn(5).bfloat16()
+    _dcp_save({"a": GlobalPieces((6, 4), [((0, 0), a[:3].clone()), ((3, 0), a[3:].clone())]),
+               "b": GlobalPieces((5,), [((0,), b)]), "plain": {"x": 1}}, str(tmp_path))
+
+    def load(pieces_of_a, into_a: torch.Tensor) -> tuple[int, int]:
+        into_b = torch.zeros(5, dtype=torch.bfloat16)
+        state = {"a": GlobalPieces((6, 4), pieces_of_a(into_a)), "b": GlobalPieces((5,), [((0,), into_b)]),
+                 "plain": None}
+        reader = _dcp_load(state, str(tmp_path))
+        assert torch.equal(into_a, a) and torch.equal(into_b, b) and state["plain"] == {"x": 1}
+        into_b.untyped_storage().resize_(0)  # still resizable: ZeRO-3 frees gathered parameters this way
+        return reader.direct, reader.fallback
+
+    assert load(lambda t: [((0, 0), t[:3]), ((3, 0), t[3:])], torch.zeros(6, 4)) == (3, 0)  # the saved layout
+    assert load(lambda t: [((0, 0), t)], torch.zeros(6, 4)) == (3, 0)  # both saved pieces land in one
+    # Split at row 2: saved rows 0-2 go in two sub-ranges, saved rows 3-5 whole into the second piece.
+    assert load(lambda t: [((0, 0), t[:2]), ((2, 0), t[2:])], torch.zeros(6, 4)) == (2, 2)
+    assert load(lambda t: [((0, 0), t[:, :2]), ((0, 2), t[:, 2:])], torch.zeros(6, 4)) == (1, 4)  # columns
+    assert load(lambda t: [((0, 0), t)], torch.zeros(4, 6).t()) == (1, 2)  # a strided destination
 
 
 def test_precision_change_takes_masters_from_the_right_keys(tmp_path):
