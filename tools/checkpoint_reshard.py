@@ -112,11 +112,10 @@ def saved_rows(load: str, iteration: int) -> int:
 
         return FileSystemReader(path).read_metadata().state_dict_metadata["model.embedding.word_embeddings.weight"] \
             .size[0]
-    import torch
+    from megatron_like.training.checkpoint_validation import read_checkpoint_file  # one-line errors, weights only
 
     saved = read_saved_config(load, iteration)
-    first = torch.load(os.path.join(first_shard_dir(path), "model_optim_rng.pt"), weights_only=True,
-                       map_location="cpu", mmap=True)
+    first = read_checkpoint_file(rank_file(first_shard_dir(path), 0), mmap=True)
     return first["model"][0]["embedding.word_embeddings.weight"].shape[0] * saved.parallel.tensor_model_parallel_size
 
 

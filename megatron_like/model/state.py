@@ -32,6 +32,7 @@ from torch import nn
 from megatron_like.config import Config, ModelConfig
 from megatron_like.model.gpt import WORD_EMBEDDINGS, GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
+from megatron_like.training.checkpointing import shard_dir_name
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -245,8 +246,8 @@ def is_torch_dist(it_dir: str) -> bool:
 def first_shard_dir(it_dir: str) -> str:
     """The torch format's ``mp_rank_00_000`` directory of iteration directory ``it_dir`` (``mp_rank_00_000_000``
     when saved at --expert-model-parallel-size > 1): it holds the saved config."""
-    first = os.path.join(it_dir, "mp_rank_00_000")
-    return first + "_000" if not os.path.isdir(first) and os.path.isdir(first + "_000") else first
+    first, with_ep = (os.path.join(it_dir, shard_dir_name(0, 0, 0, ep)) for ep in (1, 2))
+    return with_ep if not os.path.isdir(first) and os.path.isdir(with_ep) else first
 
 
 def read_saved_config(root: str, iteration: int | None = None) -> Config:
@@ -283,8 +284,7 @@ def load_full_state(root: str, iteration: int | None = None,
         for tp_rank in range(tp):
             ep_chunks = []
             for ep_rank in range(ep):
-                name = f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (f"_{ep_rank:03d}" if ep > 1 else "")
-                path = os.path.join(it_dir, name, CHECKPOINT_FILE)
+                path = os.path.join(it_dir, shard_dir_name(tp_rank, pp_rank, ep_rank, ep), CHECKPOINT_FILE)
                 if not os.path.exists(path):
                     raise CheckpointLoadError(f"checkpoint file {path} is missing (saved with tp {tp}, pp {pp}, "
                                               f"ep {ep})")

@@ -61,11 +61,14 @@ def _fault(point: str) -> None:
         fault_hook(point)
 
 
+def shard_dir_name(tp_rank: int, pp_rank: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """``mp_rank_TT_PPP``, or ``mp_rank_TT_PPP_EEE`` under expert parallelism (Megatron-LM's names)."""
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}" + (f"_{ep_rank:03d}" if ep_size > 1 else "")
+
+
 def checkpoint_dir(root: str, iteration: int, ps: ParallelState) -> str:
-    """``<root>/iter_XXXXXXX/mp_rank_TT_PPP``: the directory of this rank's (tp, pp) position, ``..._EEE``
-    with the ep rank under expert parallelism (Megatron-LM's names)."""
-    name = f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}" + (f"_{ps.ep_rank:03d}" if ps.ep_size > 1 else "")
-    return os.path.join(root, f"iter_{iteration:07d}", name)
+    """``<root>/iter_XXXXXXX/mp_rank_TT_PPP(_EEE)``: the directory of this rank's (tp, pp, ep) position."""
+    return os.path.join(root, f"iter_{iteration:07d}", shard_dir_name(ps.tp_rank, ps.pp_rank, ps.ep_rank, ps.ep_size))
 
 
 def replica_rank(ps: ParallelState) -> int:
