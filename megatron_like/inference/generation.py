@@ -149,7 +149,7 @@ class ModelRunner:
         if ps.pp_size > 1:
             comm.broadcast(logits, ps.pp_global_ranks[-1], ps.pp_group)
         if ps.ep_size > 1:  # MoE: the ep ranks replicate all but the experts; one set of logits, whatever the noise
-            comm.broadcast(logits, ps.rank_of(ps.tp_rank, ps.dp_rank - ps.ep_rank, ps.pp_rank), ps.ep_group)
+            comm.broadcast(logits, ps.expert_rank_of(ps.etp_rank, 0, ps.expert_dp_rank, ps.pp_rank), ps.ep_group)
         return logits
 
 
