@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import math
 import sys
 from pathlib import Path
@@ -35,18 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is not a package: plain_gpt.py beside this file
 
-def _load_plain_gpt():
-    """``benchmarks/plain_gpt.py`` as a module (benchmarks/ is not a package)."""
-    if "plain_gpt" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("plain_gpt", Path(__file__).with_name("plain_gpt.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["plain_gpt"] = module
-    return sys.modules["plain_gpt"]
-
-
-plain_gpt = _load_plain_gpt()
+import plain_gpt  # noqa: E402
 
 
 class PlainGPTClassifier(nn.Module):

@@ -8,9 +8,6 @@ logits, loss and gradients (the same pooled token, the same head). Pinned at a s
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,18 +16,14 @@ import finetune_gpt_classification
 from megatron_like.config import ModelConfig
 from megatron_like.model.classification import GPTClassificationModel
 from megatron_like.parallel_state import ParallelState
-from tests.unit.test_plain_gpt_reference import plain_layout, plain_name
+from tests.unit.test_plain_gpt_reference import load_benchmark, plain_layout, plain_name
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, CLASSES = 2, 32, 4, 16, 256, 5
 
 
 @pytest.fixture(scope="module")
 def plain():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plain_gpt_classification.py"
-    spec = importlib.util.spec_from_file_location("plain_gpt_classification", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("plain_gpt_classification")
 
 
 def ours_model() -> GPTClassificationModel:

@@ -24,9 +24,10 @@ from megatron_like.parallel_state import ParallelState
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB = 2, 32, 4, 16, 256
 
 
-def load_plain_gpt():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "plain_gpt.py"
-    spec = importlib.util.spec_from_file_location("plain_gpt", path)
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module (benchmarks/ is not a package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,7 +35,7 @@ def load_plain_gpt():
 
 @pytest.fixture(scope="module")
 def plain_gpt():
-    return load_plain_gpt()
+    return load_benchmark("plain_gpt")
 
 
 def ours_model(seed: int = 1234) -> GPTModel:
