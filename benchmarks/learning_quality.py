@@ -129,17 +129,24 @@ def vit(work: Path, args: argparse.Namespace) -> None:
     for seed in args.tp2_pp2_seeds:
         runs[f"ours, tp2 x pp2, seed {seed}"] = ([*TORCHRUN, "pretrain_vit.py", *ours, *TP2_PP2, "--seed", str(seed)],
                                                  work / f"vit_ours_tp2pp2_seed{seed}.log")
-    outputs = run_all(runs, args.jobs, args.rerun)
-    print("\n| run | top-1 on the val folder | training loss at iterations 100 / 200 / 300 |\n|---|---|---|")
-    top1s: dict[str, list[float]] = {}
+    score_tables(run_all(runs, args.jobs, args.rerun), TOP1, "top-1 on the val folder", "top-1 %", (100, 200, 300))
+
+
+def score_tables(outputs: dict[str, str], score: re.Pattern, column: str, summary: str,
+                 iterations: tuple[int, ...]) -> None:
+    """Print each run's score (``score`` captures (count, percent) in its log) with its training losses at
+    ``iterations``, then each side's mean and spread over its seeds (runs named ``<side>, seed N``)."""
+    at = " / ".join(map(str, iterations))
+    print(f"\n| run | {column} | training loss at iterations {at} |\n|---|---|---|")
+    scores: dict[str, list[float]] = {}
     for name, out in outputs.items():
-        images, top1 = TOP1.search(out).groups()
+        count, value = score.search(out).groups()
         losses = curve(TRAIN_LOSS, out)
-        trail = " / ".join(f"{losses[i]:.3f}" for i in (100, 200, 300) if i in losses)
-        print(f"| {name} | {top1}% of {images} | {trail} |")
-        top1s.setdefault(name.rsplit(", seed", 1)[0], []).append(float(top1))
-    print("\n| side | top-1 %: mean (min .. max, sd) |\n|---|---|")
-    for side, values in top1s.items():
+        trail = " / ".join(f"{losses[i]:.3f}" for i in iterations if i in losses)
+        print(f"| {name} | {value}% of {count} | {trail} |")
+        scores.setdefault(name.rsplit(", seed", 1)[0], []).append(float(value))
+    print(f"\n| side | {summary}: mean (min .. max, sd) |\n|---|---|")
+    for side, values in scores.items():
         print(f"| {side} | {spread(values)} |")
 
 
@@ -273,18 +280,8 @@ def finetune_runs(work: Path, args: argparse.Namespace) -> tuple[dict[str, tuple
 
 def finetune(work: Path, args: argparse.Namespace) -> None:
     runs, classes = finetune_runs(work, args)
-    outputs = run_all(runs, args.jobs, args.rerun)
-    print("\n| run | dev accuracy | training loss at iterations 20 / 40 / 60 / 80 |\n|---|---|---|")
-    accuracies: dict[str, list[float]] = {}
-    for name, out in outputs.items():
-        examples, accuracy = DEV_ACCURACY.search(out).groups()
-        losses = curve(TRAIN_LOSS, out)
-        trail = " / ".join(f"{losses[i]:.3f}" for i in (20, 40, 60, 80) if i in losses)
-        print(f"| {name} | {accuracy}% of {examples} | {trail} |")
-        accuracies.setdefault(name.rsplit(", seed", 1)[0], []).append(float(accuracy))
-    print("\n| side | dev accuracy %: mean (min .. max, sd) |\n|---|---|")
-    for side, values in accuracies.items():
-        print(f"| {side} | {spread(values)} |")
+    score_tables(run_all(runs, args.jobs, args.rerun), DEV_ACCURACY, "dev accuracy", "dev accuracy %",
+                 (20, 40, 60, 80))
     for setting, accuracy in tfidf_baseline(classes).items():
         print(f"| TF-IDF + logistic regression ({setting}) | {accuracy:.2f} |")
 
