@@ -252,14 +252,6 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
 class _DirectReader(FileSystemReader):
     """DCP's file reader that reads a whole saved tensor straight into its destination tensor.
 
@@ -312,7 +304,7 @@ class _DirectReader(FileSystemReader):
         lengths = tuple(item.lengths)
         if not (isinstance(saved, _SavedTensor) and saved.dtype == target.dtype and saved.storage_offset == 0
                 and saved.size == lengths == tuple(target.shape) and saved.storage_numel == target.numel()
-                and (saved.stride == _contiguous_strides(saved.size) or target.numel() == 1)
+                and (saved.stride == torch.empty(saved.size, device="meta").stride() or target.numel() == 1)
                 and byteorder == b"little" and archive.get_record_size(saved.record) == target.nbytes):
             return False
         file.seek(info.offset + archive.get_record_offset(saved.record))
