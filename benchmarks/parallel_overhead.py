@@ -25,6 +25,14 @@ Both sides train the same architecture on the same tokens with the same AdamW (l
 on matrices only) and gradient clipping at 1.0. dp and zero3 wrap our own ``GPTModel`` of one process (tied
 head) in DDP / FSDP2; tp and pp compare with ``PlainGPT`` (untied head, no position table), which ours
 matches with ``--untie-embeddings-and-output-weights --position-embedding-type none``.
+
+The data-parallel modes add a third row, the *floor*: the peer's model and optimizer with no data parallelism
+at all (each rank steps its own copy on its rows, nothing communicated), timed on every rank at once like the
+other sides. No data-parallel implementation can be much faster than it (ZeRO's sharded step saves at most
+half of AdamW's work), so the peer's speed against the floor is the most any implementation could gain over
+the peer: when the peer already runs within 10% of the floor, issue 16's "1.1x the peer" cannot be met by the
+parallelism, and that row is the measured reason.
+
 Each process runs one thread. Per side, a profiled window builds the model and runs a warm-up step (the
 optimizer states appear) and one measured step; then the timed steps alternate between the sides so a slow
 period of the machine hits both. The table reports:
@@ -203,6 +211,18 @@ def _data_parallel_step(config: Config, model: torch.nn.Module, optimizer: torch
         optimizer.step()
 
     return step
+
+
+def build_floor(config: Config, tokens: torch.Tensor) -> Step:
+    """No data parallelism at all: each rank trains its own copy of the peer's model on its rows, with no
+    communication (the same fused AdamW and clipping). Run on every rank at once between the same barriers, so
+    it meets the same contention for the cores; a data-parallel step can be no faster than this (less the
+    half of AdamW's work that ZeRO's sharded step saves), so ``peer / floor`` bounds what any implementation
+    could gain over the peer."""
+    torch.manual_seed(config.training.seed)
+    model = _peer_model(config)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return _data_parallel_step(config, model, _adamw(config, model, fused=True), rank_rows(tokens, rank, world))
 
 
 def build_ddp(config: Config, tokens: torch.Tensor) -> Step:
@@ -395,6 +415,7 @@ def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -
     return step
 
 
+FLOOR = "no data parallelism (floor)"
 PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
     "dp": ("DDP", build_ddp),
     "zero1": ("DDP + ZeroRedundancyOptimizer", build_zero_redundancy),
@@ -505,25 +526,28 @@ def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int)
 
 
 def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
-    """Both sides of ``mode``, measured: timed steps, peak live bytes, bytes sent, parameter count."""
+    """Both sides of ``mode`` (and, in the data-parallel modes, the floor), measured: timed steps, peak live
+    bytes, bytes sent, parameter count."""
     config = our_config(mode, sizes, world)
     tokens = global_batch(config, sizes.vocab)
-    _, build_peer = PEERS[mode]
-    ours, our_peak, our_sent = profiled_side(lambda: build_ours(config, tokens), peer=False)
-    theirs, peer_peak, peer_sent = profiled_side(lambda: build_peer(config, tokens), peer=True)
-    times: dict[str, list[float]] = {"ours": [], "peer": []}
-    cpu: dict[str, list[float]] = {"ours": [], "peer": []}
+    builds = {"ours": lambda: build_ours(config, tokens), "peer": lambda: PEERS[mode][1](config, tokens)}
+    if mode in DATA_PARALLEL_MODES:
+        builds["floor"] = lambda: build_floor(config, tokens)
+    stepping, peak, sent = {}, {}, {}
+    for side, build in builds.items():
+        stepping[side], peak[side], sent[side] = profiled_side(build, peer=side != "ours")
+    times: dict[str, list[float]] = {side: [] for side in builds}
+    cpu: dict[str, list[float]] = {side: [] for side in builds}
     for _ in range(steps):
-        for side, step in (("ours", ours), ("peer", theirs)):
+        for side, step in stepping.items():
             wall, seconds = timed(step)
             times[side].append(wall)
             cpu[side].append(seconds)
     model = _peer_model(config)
     params = sum(p.numel() for p in model.parameters())
     root_params = params - sum(p.numel() for p in model.layers.parameters())
-    return {"times": times, "cpu": cpu, "peak": {"ours": our_peak, "peer": peer_peak},
-            "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
-            "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params,
+    return {"times": times, "cpu": cpu, "peak": peak, "sent": {side: t.bytes_sent for side, t in sent.items()},
+            "sent_by_kind": {side: t.by_kind for side, t in sent.items()}, "params": params,
             "root_params": root_params}
 
 
@@ -544,19 +568,21 @@ def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
 
 def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]:
     """Markdown rows ``| mode | side | s/step | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank |
-    theory | speed (wall) | speed (CPU) |``."""
+    theory | speed (wall) | speed (CPU) |``: ours, the peer, and the floor where it was run."""
     tokens = sizes.global_batch * sizes.seq
-    medians = {side: statistics.median(results[0]["times"][side]) for side in ("ours", "peer")}
+    sides = list(results[0]["times"])
+    medians = {side: statistics.median(results[0]["times"][side]) for side in sides}
     # per rank the median over the steps, then the busiest rank
-    cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in ("ours", "peer")}
+    cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in sides}
     theory = theory_bytes(mode, sizes, results[0]["params"], world) / 2**20
+    names = {"ours": "megatron_like", "peer": PEERS[mode][0], "floor": FLOOR}
     rows = []
-    for side, name in (("ours", "megatron_like"), ("peer", PEERS[mode][0])):
+    for side in sides:
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
         speed, cpu_speed = medians["peer"] / medians[side], cpu["peer"] / cpu[side]
-        rows.append(f"| {mode} | {name} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | {cpu[side]:.3f} | "
-                    f"{peak:.1f} | {sent:.2f} | {theory:.2f} | {speed:.2f}x | {cpu_speed:.2f}x |")
+        rows.append(f"| {mode} | {names[side]} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | "
+                    f"{cpu[side]:.3f} | {peak:.1f} | {sent:.2f} | {theory:.2f} | {speed:.2f}x | {cpu_speed:.2f}x |")
     return rows
 
 

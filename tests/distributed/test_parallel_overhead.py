@@ -140,3 +140,18 @@ def test_states_dominate_preset_is_dominated_by_states():
     states = rank.weight_bytes + rank.grad_bytes + rank.optimizer_bytes
     assert states == 16 * rank.params
     assert states >= 10 * rank.activations.total, (states / 2**20, rank.activations.total / 2**20)
+
+
+def test_floor_runs_in_data_parallel_modes_and_communicates_nothing(figures):
+    """The floor (no data parallelism) is timed beside both sides of every data-parallel mode, holds the whole
+    model's states and sends nothing; tp and pp have no floor row."""
+    for mode in bench.MODES:
+        result = figures[mode]
+        if mode not in bench.DATA_PARALLEL_MODES:
+            assert "floor" not in result["times"], mode
+            continue
+        assert len(result["times"]["floor"]) == 1, mode
+        assert result["sent"]["floor"] == 0, mode
+        assert result["peak"]["floor"] > 4 * 4 * result["params"], mode  # params, grads, two Adam moments
+        rows = bench.table(mode, TINY, [result], WORLD)
+        assert [row.split(" | ")[1] for row in rows] == ["megatron_like", bench.PEERS[mode][0], bench.FLOOR]
