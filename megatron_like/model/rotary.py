@@ -6,9 +6,9 @@ dimensions by angles ``position * base^(-2i / rotary_dim)``; the pairs are (i, i
 dimensions pass through. RoPE scaling (:class:`RopeScaling`: Llama 3.1's "llama3" and the "linear"
 position interpolation) changes only those inverse frequencies, in :func:`rotary_inv_freq`, the one place
 the tables are built from: training, generation's KV cache and the fused kernel all read the tables.
-Positions are those of the *full* sequence: attention runs after the QKV
-linear has gathered the sequence-parallel shards, and in generation the positions start at the number
-of cached tokens.
+
+Positions are those of the *full* sequence: attention runs after the QKV linear has gathered the
+sequence-parallel shards, and in generation the positions start at the number of cached tokens.
 
 ``apply_rotary`` is the contract the fused kernel meets (``kernels/rotary.py``, which holds the PyTorch
 version below the model's floor; the model calls ``fused_apply_rotary``).
@@ -19,11 +19,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from megatron_like.kernels.rotary import apply_rotary_reference as apply_rotary  # noqa: F401 (re-export)
+
+if TYPE_CHECKING:
+    from megatron_like.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class RopeScaling:
         return torch.where(between, interpolated, scaled)
 
 
-def rope_scaling_of(config) -> RopeScaling | None:
+def rope_scaling_of(config: ModelConfig) -> RopeScaling | None:
     """The :class:`RopeScaling` a ``ModelConfig``'s flags ask for (None: plain RoPE)."""
     if config.use_rope_scaling:
         return RopeScaling("llama3", config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
