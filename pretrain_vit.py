@@ -58,6 +58,9 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, VisionConfig]:
     if not config.data.mock_data and len(config.data.data_path) != 1:
         raise ConfigError(f"--data-path takes one image-folder root (ROOT/train, ROOT/val), got "
                           f"{len(config.data.data_path)} values")
+    if config.model.attention_window is not None:
+        raise ConfigError(f"--window-size {config.model.window_size}: ViT attention is bidirectional; sliding windows "
+                          "are for causal (GPT) models")
     config.model.seq_length = vision.seq_length
     config.model.max_position_embeddings = None
     config.validate()

@@ -91,6 +91,26 @@ class ModelConfig:
     """Base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through)."""
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Linear RoPE scaling (position interpolation; Hugging Face's rope_type "linear"): every rotary angle is
+    divided by this factor, as if positions were t / factor. None: off."""
+    use_rope_scaling: bool = False
+    """Llama 3.1's RoPE scaling (Hugging Face's rope_type "llama3"): rotary frequencies of wavelength above
+    --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor are divided by
+    --rope-scaling-factor, those below ... / --rope-scaling-high-freq-factor kept, those between interpolated."""
+    rope_scaling_factor: float = 8.0
+    """With --use-rope-scaling: the factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """With --use-rope-scaling (ours; Megatron-LM fixes it at 1): Llama 3.1's low_freq_factor."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """With --use-rope-scaling (ours; Megatron-LM fixes it at 4): Llama 3.1's high_freq_factor."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """With --use-rope-scaling (ours; Megatron-LM fixes it at 8192): the pretraining context the scaling
+    stretches."""
+    window_size: str | None = None
+    """Sliding-window attention, Megatron-LM's "LEFT,RIGHT" (flash-attention's convention): each query attends
+    to itself and the LEFT keys before it; RIGHT must be 0 (causal). Mistral 7B v0.1's sliding_window 4096 is
+    --window-size 4095,0. None (or LEFT -1): full causal attention."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization of the layer inputs and the final hidden states."""
     swiglu: bool = False
@@ -205,6 +225,8 @@ class ModelConfig:
                 f"--rotary-percent {self.rotary_percent} of head dimension {self.head_dim} gives {rotary_dim} "
                 "rotated dimensions; it must be a positive even number",
             )
+        self.validate_rope_scaling()
+        parse_window_size(self.window_size)
         if self.group_query_attention:
             _require(self.num_query_groups > 0, f"--num-query-groups {self.num_query_groups} must be positive")
             _require(
@@ -221,6 +243,24 @@ class ModelConfig:
             not self.add_qkv_bias or self.disable_bias_linear,
             "--add-qkv-bias only matters with --disable-bias-linear (the QKV linear has a bias already)",
         )
+
+    def validate_rope_scaling(self) -> None:
+        """Rules of --use-rope-scaling and --rotary-seq-len-interpolation-factor."""
+        linear = self.rotary_seq_len_interpolation_factor
+        if not (self.use_rope_scaling or linear is not None):
+            return
+        _require(self.position_embedding_type == "rope", "RoPE scaling needs --position-embedding-type rope")
+        _require(not (self.use_rope_scaling and linear is not None),
+                 "--use-rope-scaling and --rotary-seq-len-interpolation-factor are two RoPE scalings: pick one")
+        _require(linear is None or linear > 0, f"--rotary-seq-len-interpolation-factor {linear} must be positive")
+        if self.use_rope_scaling:
+            _require(self.rope_scaling_factor > 0, f"--rope-scaling-factor {self.rope_scaling_factor} must be positive")
+            _require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
+                     f"--rope-scaling-low-freq-factor {self.rope_scaling_low_freq_factor} must be positive and "
+                     f"below --rope-scaling-high-freq-factor {self.rope_scaling_high_freq_factor}")
+            _require(self.rope_scaling_original_max_position_embeddings > 0,
+                     f"--rope-scaling-original-max-position-embeddings "
+                     f"{self.rope_scaling_original_max_position_embeddings} must be positive")
 
     def validate_moe(self) -> None:
         """Rules of the mixture-of-experts flags that need no layout (the layout rules are in Config.validate)."""
@@ -297,8 +337,27 @@ class ModelConfig:
         return not self.disable_bias_linear or self.add_qkv_bias
 
     @property
+    def attention_window(self) -> int | None:
+        """Keys each query attends to under --window-size, itself included (LEFT + 1); None: no window."""
+        return parse_window_size(self.window_size)
+
+    @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+
+def parse_window_size(value: str | None) -> int | None:
+    """--window-size "LEFT,RIGHT" (Megatron-LM's, flash-attention's convention) -> keys per query (LEFT + 1),
+    None without a window (no flag, or LEFT -1)."""
+    if value is None:
+        return None
+    try:
+        left, right = (int(part) for part in value.strip("()").split(","))
+    except ValueError:
+        raise ConfigError(f"--window-size {value!r} must be two integers LEFT,RIGHT such as 4095,0") from None
+    _require(right == 0, f"--window-size {value}: RIGHT must be 0 (a causal model attends to no later key)")
+    _require(left >= -1, f"--window-size {value}: LEFT must be -1 (no window) or at least 0")
+    return None if left == -1 else left + 1
 
 
 def parse_moe_layer_freq(value: str, num_layers: int) -> list[bool]:

@@ -7,7 +7,8 @@
 
 The family follows the model: a GPT-2-style checkpoint (learned positions, LayerNorm, GELU, biases) becomes a
 ``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
-``Qwen2ForCausalLM`` with ``--add-qkv-bias``, a ``MixtralForCausalLM`` with ``--num-experts``. ``from-hf`` reads
+``MistralForCausalLM`` with ``--window-size``, a ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, a
+``MixtralForCausalLM`` with ``--num-experts``. ``from-hf`` reads
 ``model_type`` (gpt2, llama, mistral, qwen2, mixtral). A Mixtral checkpoint holds each layer's experts as one
 global ``[E, ...]`` tensor, which loads at any ``--expert-model-parallel-size`` (docs/moe.md); the flag here
 records the layout in the saved arguments like the other layout flags.

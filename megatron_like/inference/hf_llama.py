@@ -1,9 +1,12 @@
 """Our full state <-> Hugging Face ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
 weights and config (no transformers import).
 
-The three differ here only by flags: Llama and Mistral have no biases (Mistral's sliding window is not
-implemented, so a Mistral checkpoint converts exactly up to ``sliding_window`` tokens); Qwen2 adds a bias
-to the query/key/value projections (our ``--add-qkv-bias``). Two layout differences are mended:
+The three differ here only by flags: Llama and Mistral have no biases; Mistral's ``sliding_window`` W is our
+``--window-size W-1,0`` (each query sees W keys, itself included); Qwen2 adds a bias to the query/key/value
+projections (our ``--add-qkv-bias``). RoPE scaling converts both ways: ``rope_type`` "llama3" (Llama 3.1-3.3) is
+``--use-rope-scaling`` with its four numbers, "linear" is ``--rotary-seq-len-interpolation-factor``; other
+types (dynamic, yarn, longrope) and Qwen2's per-layer sliding window are refused. Two layout differences are
+mended:
 
 * our fused QKV output features are grouped per query group ``[groups, heads/groups + 2, head_dim]``
   (each group's query heads, then its key head, then its value head; so a tp slice holds whole groups);
@@ -43,25 +46,68 @@ def check_llama_style(model: ModelConfig) -> None:
                              f"{flag} (GPT-2-style checkpoints convert to GPT2LMHeadModel)")
 
 
+def rope_parameters(model: ModelConfig) -> dict:
+    """Hugging Face's ``rope_parameters`` (transformers >= 5; ``rope_scaling`` before) of ``model``'s rotary flags."""
+    parameters: dict = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
+    if model.use_rope_scaling:
+        parameters.update(rope_type="llama3", factor=model.rope_scaling_factor,
+                          low_freq_factor=model.rope_scaling_low_freq_factor,
+                          high_freq_factor=model.rope_scaling_high_freq_factor,
+                          original_max_position_embeddings=model.rope_scaling_original_max_position_embeddings)
+    elif model.rotary_seq_len_interpolation_factor is not None:
+        parameters.update(rope_type="linear", factor=float(model.rotary_seq_len_interpolation_factor))
+    return parameters
+
+
+def rope_flags(cfg: dict) -> dict:
+    """Our ModelConfig fields of a ``config.json``'s rotary settings (refuses scalings we do not implement)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        raise ValueError(f"rope_theta {theta} is not a whole number (--rotary-base is an int)")
+    flags: dict = {"rotary_base": int(theta)}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "llama3":
+        flags.update(use_rope_scaling=True, rope_scaling_factor=float(rope["factor"]),
+                     rope_scaling_low_freq_factor=float(rope["low_freq_factor"]),
+                     rope_scaling_high_freq_factor=float(rope["high_freq_factor"]),
+                     rope_scaling_original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+    elif kind == "linear":
+        flags.update(rotary_seq_len_interpolation_factor=float(rope["factor"]))
+    elif kind != "default":
+        raise ValueError(f"rope type {kind!r} is not implemented (default, linear and llama3 are)")
+    return flags
+
+
 def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> dict:
-    """``config.json`` of a LlamaForCausalLM (Qwen2ForCausalLM with --add-qkv-bias) shaped like ``model``."""
+    """``config.json`` of a LlamaForCausalLM (MistralForCausalLM with --window-size, Qwen2ForCausalLM with
+    --add-qkv-bias) shaped like ``model``."""
     check_llama_style(model)
-    family = "qwen2" if model.qkv_bias else "llama"
+    window = model.attention_window
+    if model.qkv_bias and window is not None:
+        raise ValueError("--add-qkv-bias with --window-size has no Hugging Face family here (Qwen2's sliding "
+                         "window is per layer): drop one of them")
+    family = "qwen2" if model.qkv_bias else "mistral" if window is not None else "llama"
     eos = eod if eod is not None else vocab_size - 1
+    rope = rope_parameters(model)
     config = {
         "architectures": [FAMILIES[family]], "model_type": family, "vocab_size": vocab_size,
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_size,
         "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_attention_heads,
         "num_key_value_heads": model.query_groups, "head_dim": model.head_dim, "hidden_act": "silu",
         "max_position_embeddings": model.max_positions, "rms_norm_eps": model.norm_epsilon,
-        "rope_theta": float(model.rotary_base),  # transformers < 5
-        "rope_parameters": {"rope_theta": float(model.rotary_base), "rope_type": "default"},  # transformers >= 5
+        "rope_theta": float(model.rotary_base),  # transformers < 5 (with rope_scaling below)
+        "rope_parameters": rope,  # transformers >= 5
         "attention_dropout": model.attention_dropout, "initializer_range": model.init_method_std,
         "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
         "bos_token_id": eos, "eos_token_id": eos, "dtype": "float32",
     }
+    if rope["rope_type"] != "default":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
+    elif family == "mistral":
+        config.update(sliding_window=window)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
     return config
@@ -76,19 +122,13 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not SiLU: SwiGLU cannot hold it")
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias/mlp_bias=True has no equivalent here (only Qwen2's QKV bias)")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope type {rope.get('rope_type', rope.get('type'))!r} (rope scaling) is not implemented")
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if theta != int(theta):
-        raise ValueError(f"rope_theta {theta} is not a whole number (--rotary-base is an int)")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if cfg.get("head_dim") not in (None, hidden // heads):
         raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads: not implemented")
     positions = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None
-    if window is not None and window < positions:
-        positions = window  # exact up to the window; beyond it Mistral would stop attending to early tokens
+    window = cfg.get("sliding_window") if family == "mistral" else None
+    if family == "qwen2" and cfg.get("use_sliding_window"):
+        raise ValueError("Qwen2's use_sliding_window (a window on layers from max_window_layers on) is not implemented")
     groups = cfg.get("num_key_value_heads") or heads
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
@@ -96,9 +136,10 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         vocab_size=cfg["vocab_size"], hidden_dropout=0.0, attention_dropout=cfg.get("attention_dropout", 0.0),
         init_method_std=cfg.get("initializer_range", 0.02), norm_epsilon=cfg.get("rms_norm_eps", 1e-6),
         untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-        position_embedding_type="rope", rotary_base=int(theta), normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
         group_query_attention=groups != heads, num_query_groups=groups if groups != heads else 1,
         disable_bias_linear=True, add_qkv_bias=family == "qwen2",
+        window_size=None if window is None else f"{window - 1},0", **rope_flags(cfg),
     )
 
 

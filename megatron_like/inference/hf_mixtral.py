@@ -59,7 +59,8 @@ def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> di
         config.pop(key, None)
     config.update(architectures=[ARCHITECTURE], model_type="mixtral", intermediate_size=model.moe_ffn_size,
                   num_local_experts=model.num_experts, num_experts_per_tok=model.moe_router_topk,
-                  router_aux_loss_coef=model.moe_aux_loss_coeff, router_jitter_noise=0.0, sliding_window=None,
+                  router_aux_loss_coef=model.moe_aux_loss_coeff, router_jitter_noise=0.0,
+                  sliding_window=model.attention_window,
                   output_router_logits=False)
     return config
 

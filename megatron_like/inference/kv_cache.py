@@ -10,14 +10,17 @@ says which columns hold real tokens, and the attention mask keeps queries off th
 Everything a decode step needs besides the new tokens is made once and reused: the buffers (written in
 place, never concatenated), the attention mask (shared by all layers of a step) and the rotary cos/sin
 tables of all ``max_length`` columns (sliced per step; rotary angles are elementwise in the position, so
-the slice equals tables computed for the step's positions alone).
+the slice equals tables computed for the step's positions alone). With a sliding window (``--window-size``)
+the mask also keeps each query off the keys more than ``window - 1`` columns before it, cached ones included
+(``model/attention_mask.py``); the buffers still hold every column.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_like.model.rotary import rotary_cos_sin
+from megatron_like.model.attention_mask import causal_mask
+from megatron_like.model.rotary import RopeScaling, rotary_cos_sin
 
 
 class KVCache:
@@ -36,13 +39,14 @@ class KVCache:
         """Columns already filled; the next forward writes its tokens from here."""
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self._mask: tuple[tuple[int, int], torch.Tensor | None] | None = None
-        self._rotary: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask: tuple[tuple[int, int, int | None], torch.Tensor | None] | None = None
+        self._rotary: dict[tuple[int, float, RopeScaling | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def update_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor
+    def update_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store this step's ``k, v [b, np, s, hd]`` for ``layer``; return all keys, values ``[b, np, t, hd]``
-        (``t = offset + s``) and the bool attention mask ``[b, 1, s, t]`` (None: attend to everything)."""
+        (``t = offset + s``) and the bool attention mask ``[b, 1, s, t]`` (None: attend to everything).
+        ``window``: keys per query of sliding-window attention (itself included); None: no window."""
         b, heads, s, head_dim = k.shape
         if self.offset + s > self.max_length:
             raise ValueError(f"KV cache of {self.max_length} positions cannot take {self.offset + s}")
@@ -53,26 +57,26 @@ class KVCache:
         end = self.offset + s
         self.keys[layer][:, :, self.offset:end] = k
         self.values[layer][:, :, self.offset:end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self.attention_mask(s, k.device)
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self.attention_mask(s, k.device, window)
 
-    def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device,
+                      scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[s, rotary_dim]`` of columns ``[offset, offset + s)`` (views of tables built on first use)."""
-        key = (rotary_dim, base)
+        key = (rotary_dim, base, scaling)
         if key not in self._rotary:
-            self._rotary[key] = rotary_cos_sin(torch.arange(self.max_length, device=device), rotary_dim, base)
+            self._rotary[key] = rotary_cos_sin(torch.arange(self.max_length, device=device), rotary_dim, base,
+                                               scaling)
         cos, sin = self._rotary[key]
         return cos[self.offset:self.offset + s], sin[self.offset:self.offset + s]
 
-    def attention_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
+    def attention_mask(self, s: int, device: torch.device, window: int | None = None) -> torch.Tensor | None:
         """The mask of queries ``[offset, offset + s)`` over keys ``[0, offset + s)``, shared by all layers."""
-        if self._mask is not None and self._mask[0] == (self.offset, s):
+        if self._mask is not None and self._mask[0] == (self.offset, s, window):
             return self._mask[1]
         end = self.offset + s
         mask = None
-        if s > 1:
-            rows = torch.arange(self.offset, end, device=device)[:, None]
-            mask = (torch.arange(end, device=device)[None, :] <= rows)[None, None]  # (1, 1, s, t) causal
+        if s > 1 or (window is not None and end > window):  # one query sees every key unless a window cuts it
+            mask = causal_mask(self.offset, s, end, window, device)[None, None]  # (1, 1, s, t)
         if self.valid is not None and not bool(self.valid[:, :end].all()):
             keys_ok = self.valid[:, None, None, :end].to(device)  # (b, 1, 1, t)
             mask = keys_ok if mask is None else mask & keys_ok
@@ -81,7 +85,7 @@ class KVCache:
             diagonal = torch.zeros(s, end, dtype=torch.bool, device=device)
             diagonal[torch.arange(s), torch.arange(self.offset, end)] = True
             mask = mask | diagonal[None, None]
-        self._mask = ((self.offset, s), mask)
+        self._mask = ((self.offset, s, window), mask)
         return mask
 
     def advance(self, s: int) -> None:

@@ -3,9 +3,12 @@
 Each query and key head rotates pairs of its first ``rotary_dim = head_dim * --rotary-percent``
 dimensions by angles ``position * base^(-2i / rotary_dim)``; the pairs are (i, i + rotary_dim / 2)
 (the "rotate half" layout of Megatron-LM and Hugging Face Llama, not interleaved neighbours). The other
-dimensions pass through. Positions are those of the *full* sequence: attention runs after the QKV
-linear has gathered the sequence-parallel shards, and in generation the positions start at the number
-of cached tokens.
+dimensions pass through. RoPE scaling (:class:`RopeScaling`: Llama 3.1's "llama3" and the "linear"
+position interpolation) changes only those inverse frequencies, in :func:`rotary_inv_freq`, the one place
+the tables are built from: training, generation's KV cache and the fused kernel all read the tables.
+
+Positions are those of the *full* sequence: attention runs after the QKV linear has gathered the
+sequence-parallel shards, and in generation the positions start at the number of cached tokens.
 
 ``apply_rotary`` is the contract the fused kernel meets (``kernels/rotary.py``, which holds the PyTorch
 version below the model's floor; the model calls ``fused_apply_rotary``).
@@ -13,27 +16,84 @@ version below the model's floor; the model calls ``fused_apply_rotary``).
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from megatron_like.kernels.rotary import apply_rotary_reference as apply_rotary  # noqa: F401 (re-export)
 
+if TYPE_CHECKING:
+    from megatron_like.config import ModelConfig
 
-def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary frequencies are rescaled for contexts longer than pretraining's (Hugging Face's
+    ``rope_scaling`` types of the same names).
+
+    * ``linear`` (``--rotary-seq-len-interpolation-factor``): position interpolation, every angle divided by
+      ``factor`` (positions ``t / factor``; Llama 2 long-context fine-tunes).
+    * ``llama3`` (``--use-rope-scaling``): Llama 3.1's: frequencies whose wavelength ``2 pi / inv_freq`` exceeds
+      ``original_max_positions / low_freq_factor`` are divided by ``factor``, those shorter than
+      ``original_max_positions / high_freq_factor`` are kept, and those between interpolate smoothly.
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Rescaled inverse frequencies ``[rotary_dim / 2]`` (float32, as Hugging Face computes them)."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        wavelength = 2 * math.pi / inv_freq
+        long_wavelength = self.original_max_positions / self.low_freq_factor  # longer: divide by factor
+        short_wavelength = self.original_max_positions / self.high_freq_factor  # shorter: keep
+        smooth = (self.original_max_positions / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)  # 0 at long_wavelength, 1 at short_wavelength
+        interpolated = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        scaled = torch.where(wavelength > long_wavelength, inv_freq / self.factor, inv_freq)
+        between = (wavelength >= short_wavelength) & (wavelength <= long_wavelength)
+        return torch.where(between, interpolated, scaled)
+
+
+def rope_scaling_of(config: ModelConfig) -> RopeScaling | None:
+    """The :class:`RopeScaling` a ``ModelConfig``'s flags ask for (None: plain RoPE)."""
+    if config.use_rope_scaling:
+        return RopeScaling("llama3", config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                           config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_position_embeddings)
+    if config.rotary_seq_len_interpolation_factor is not None:
+        return RopeScaling("linear", float(config.rotary_seq_len_interpolation_factor))
+    return None
+
+
+def rotary_inv_freq(rotary_dim: int, base: float, scaling: RopeScaling | None = None,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """Inverse frequencies ``base^(-2i / rotary_dim)``, ``i < rotary_dim / 2`` (float32), rescaled by ``scaling``."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim
+    inv_freq = 1.0 / (base**exponents)  # (rotary_dim / 2,)
+    return inv_freq if scaling is None else scaling.apply(inv_freq)
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float, scaling: RopeScaling | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles: ``positions [s]`` (int) -> two float32 ``[s, rotary_dim]``.
 
     Each frequency appears twice (``cat(freqs, freqs)``) so the tables line up with ``[x1, x2]`` halves.
     """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim
-    inv_freq = 1.0 / (base**exponents)  # (rotary_dim / 2,)
+    inv_freq = rotary_inv_freq(rotary_dim, base, scaling, positions.device)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # (s, rotary_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (s, rotary_dim)
     return angles.cos(), angles.sin()
 
 
-def sequence_rotary_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_rotary_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device,
+                           scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[seq_length, rotary_dim]`` of positions ``0 .. seq_length - 1``, built once and reused.
 
     Training and evaluation rotate whole sequences, so every layer of every step needs the same tables:
@@ -42,14 +102,14 @@ def sequence_rotary_tables(seq_length: int, rotary_dim: int, base: float, device
     ``torch.compile`` tracing the tables are built in the graph instead (the compiler folds them).
     """
     if torch.compiler.is_compiling():
-        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base)
-    return _cached_tables(seq_length, rotary_dim, float(base), torch.device(device))
+        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base, scaling)
+    return _cached_tables(seq_length, rotary_dim, float(base), torch.device(device), scaling)
 
 
 @lru_cache(maxsize=16)
-def _cached_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _cached_tables(seq_length: int, rotary_dim: int, base: float, device: torch.device,
+                   scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # Normal tensors even when first asked for under torch.inference_mode (evaluation): inference tensors
     # could not be saved for backward by a later training step.
     with torch.inference_mode(False), torch.no_grad():
-        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base)
+        return rotary_cos_sin(torch.arange(seq_length, device=device), rotary_dim, base, scaling)

@@ -34,8 +34,9 @@ from megatron_like.kernels import (
     scaled_upper_triang_masked_softmax,
 )
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
+from megatron_like.model.attention_mask import sliding_window_mask
 from megatron_like.model.norms import build_norm
-from megatron_like.model.rotary import sequence_rotary_tables
+from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
@@ -68,9 +69,10 @@ def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dro
 class SelfAttention(nn.Module):
     """Self-attention over this rank's ``heads / tp`` query heads and ``groups / tp`` key/value heads.
 
-    Causal (GPT) or bidirectional (ViT). With grouped-query attention ``heads / groups`` query heads share
-    one key/value head (multi-head attention: groups = heads). The fused QKV weight is laid out group by
-    group (Megatron-LM's layout): output features ``[groups, heads / groups + 2, head_dim]``, each group's
+    Causal (GPT) or bidirectional (ViT); causal attention may be limited to a sliding window of the last
+    ``--window-size`` keys (``model/attention_mask.py``; Mistral). With grouped-query attention ``heads / groups``
+    query heads share one key/value head (multi-head attention: groups = heads). The fused QKV weight is laid out
+    group by group (Megatron-LM's layout): output features ``[groups, heads / groups + 2, head_dim]``, each group's
     query heads then its key and its value. A contiguous tp slice so holds whole groups with their queries.
     """
 
@@ -84,6 +86,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary = config.position_embedding_type == "rope"
         self.rotary_dim, self.rotary_base = int(config.head_dim * config.rotary_percent), config.rotary_base
+        self.rope_scaling = rope_scaling_of(config) if self.rotary else None
+        self.window = config.attention_window if causal else None  # keys per query, itself included
         self.attention_dropout = config.attention_dropout
         self.backend, self.softmax_fusion = config.attention_core, config.masked_softmax_fusion
         self.recompute_core_attention = config.recompute_granularity == "selective"
@@ -120,7 +124,8 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary:
             if rotary_tables is None:
-                rotary_tables = sequence_rotary_tables(s, self.rotary_dim, self.rotary_base, qkv.device)
+                rotary_tables = sequence_rotary_tables(s, self.rotary_dim, self.rotary_base, qkv.device,
+                                                       self.rope_scaling)
             cos, sin = rotary_tables
             q, k = fused_apply_rotary(q, cos, sin), fused_apply_rotary(k, cos, sin)
         return q, k, v
@@ -130,29 +135,48 @@ class SelfAttention(nn.Module):
         b, _, s, _ = context.shape
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
 
+    def window_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
+        """bool ``[s, s]`` (True = attend) when the sliding window is shorter than the sequence; None when
+        plain causal (or bidirectional) attention is the same thing."""
+        if self.window is None or self.window >= s:
+            return None
+        return sliding_window_mask(s, self.window, device)
+
     def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, (np + 2 ng) hd]`` -> ``[s, b, np * hd]``."""
+        """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, (np + 2 ng) hd]`` -> ``[s, b, np * hd]``.
+
+        Sequence parallelism gathered the whole sequence in the QKV linear, so the mask (causal, or the sliding
+        window's band) is that of the full sequence on every tp rank; heads are what tp splits.
+        """
         q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
         grouped = self.groups_per_rank != self.heads_per_rank
+        band = self.window_mask(q.shape[2], q.device)
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
             if self.backend == "sdpa":
                 context = F.scaled_dot_product_attention(
-                    q, k, v, dropout_p=dropout_p, is_causal=self.causal, enable_gqa=grouped
+                    q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=self.causal and band is None,
+                    enable_gqa=grouped,
                 )
             else:
-                context = self.local_attention(q, k, v, dropout_p)
+                context = self.local_attention(q, k, v, dropout_p, band)
         return self.merge_heads(context)
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        """The attention core written out: q ``[b, np, s, hd]``, k, v ``[b, ng, s, hd]`` -> ``[b, np, s, hd]``."""
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                        band: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core written out: q ``[b, np, s, hd]``, k, v ``[b, ng, s, hd]`` -> ``[b, np, s, hd]``;
+        ``band``: the sliding window's bool ``[s, s]`` (True = attend), None for plain causal or bidirectional."""
         repeat = self.heads_per_rank // self.groups_per_rank
         if repeat > 1:  # each key/value head serves the `repeat` consecutive query heads of its group
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scale = 1.0 / math.sqrt(self.head_dim)
         scores = torch.matmul(q, k.transpose(-1, -2))  # (b, np, s, s)
-        if self.softmax_fusion and self.causal:
+        if band is not None and self.softmax_fusion:
+            probs = scaled_masked_softmax(scores, ~band, scale)  # the kernel's mask is True = masked out
+        elif band is not None:
+            probs = torch.softmax(scores.masked_fill(~band, float("-inf")) * scale, dim=-1)
+        elif self.softmax_fusion and self.causal:
             probs = scaled_upper_triang_masked_softmax(scores, scale)
         elif self.softmax_fusion:
             probs = scaled_masked_softmax(scores, None, scale)
@@ -170,14 +194,16 @@ class SelfAttention(nn.Module):
         ``inference_context.update_kv(layer, k, v)`` appends this step's keys and values ``[b, ng, s, hd]``
         (one per query group: the cache is sized by groups) to its cache and returns every cached key and
         value ``[b, ng, t, hd]`` with the attention mask (bool ``[b, 1, s, t]``, True = attend; None = attend
-        to all) that encodes causality and padding. Rotary positions continue after the cached tokens; their
-        tables are built once per generation by the cache and sliced per step.
+        to all) that encodes causality, the sliding window (over cached keys too) and padding. Rotary positions
+        continue after the cached tokens; their tables are built once per generation by the cache and sliced per
+        step.
         """
         tables = None
         if self.rotary:
-            tables = inference_context.rotary_tables(qkv.shape[0], self.rotary_dim, self.rotary_base, qkv.device)
+            tables = inference_context.rotary_tables(qkv.shape[0], self.rotary_dim, self.rotary_base, qkv.device,
+                                                     self.rope_scaling)
         q, k, v = self.split_qkv(qkv, tables)
-        k, v, mask = inference_context.update_kv(self.layer, k, v)  # (b, ng, t, hd)
+        k, v, mask = inference_context.update_kv(self.layer, k, v, self.window)  # (b, ng, t, hd)
         context = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=self.groups_per_rank != self.heads_per_rank
         )  # (b, np, s, hd)

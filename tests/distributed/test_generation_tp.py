@@ -42,8 +42,10 @@ def parallel_worker(rank: int, world_size: int, tp: int, pp: int, checkpoint: st
 
 
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
-             num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True)
-"""A Llama-style model: each tp=2 rank caches one key/value head for its two query heads."""
+             num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+             window_size="4,0", use_rope_scaling=True, rope_scaling_original_max_position_embeddings=16)
+"""A Llama-style model: each tp=2 rank caches one key/value head for its two query heads; a sliding window of 5
+keys (the prompts plus 10 new tokens run past it) and Llama 3.1's RoPE scaling."""
 
 
 @functools.cache

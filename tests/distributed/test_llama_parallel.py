@@ -7,6 +7,8 @@ tolerance of test_mixed_precision; bf16 with tensor parallelism: losses, see the
 
 tp 4 holds one key/value group of two query heads per rank, tp 2 two groups; sequence parallelism
 checks the rotary positions (the whole sequence, not each shard's) and the RMSNorm gradient all-reduce.
+"window" adds a sliding window of 6 keys, shorter than the 16-token sequence: every tp rank masks its heads with
+the whole sequence's band (RoPE scaling changes only the rotary tables, the same on every rank).
 Every configuration of one world size runs in one spawned process group.
 """
 
@@ -31,6 +33,7 @@ PP2, SP = ["--pipeline-model-parallel-size", "2"], ["--sequence-parallel"]
 VP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 BF16 = ["--bf16"]
 QWEN = ["--add-qkv-bias"]
+WINDOW = ["--window-size", "5,0"]
 
 
 def zero(stage: int) -> list[str]:
@@ -49,6 +52,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         "bf16-tp2-sp": BF16 + TP2 + SP,
         # oneDNN's GEMM in every linear (auto keeps these tiny ones on MKL) equals the MKL reference.
         "tp2-sp-onednn-gemm": TP2 + SP + ["--cpu-gemm-backend", "onednn"],
+        "window-tp2-sp": WINDOW + TP2 + SP,
     },
     4: {
         "tp4": TP4,
@@ -64,8 +68,9 @@ CASES: dict[int, dict[str, list[str]]] = {
 
 @functools.cache
 def reference(precision: str = "fp32") -> dict:
-    """The single-process Llama-style run (one per precision; "qwen": with the QKV bias) cases compare with."""
-    extra = {"fp32": [], "bf16": BF16, "qwen": QWEN}[precision]
+    """The single-process Llama-style run (one per precision; "qwen": with the QKV bias; "window": with the sliding
+    window) cases compare with."""
+    extra = {"fp32": [], "bf16": BF16, "qwen": QWEN, "window": WINDOW}[precision]
     return merge_ranks([train_gpt(0, 1, LLAMA + extra)])
 
 
@@ -88,6 +93,9 @@ def test_llama_training_equals_single_process(world_size: int, name: str) -> Non
                                    rtol=1e-4, atol=0)
     elif name.startswith("bf16"):
         assert_close_at_precision(reference("bf16"), run, "bf16")
+    elif name.startswith("window"):
+        assert reference("window")["losses"][0] != reference()["losses"][0]  # the window is on
+        assert_same_training(reference("window"), run)
     elif name.startswith("qwen"):
         assert "layers.0.attention.qkv.bias" in run["params"]
         assert_same_training(reference("qwen"), run)

@@ -3,7 +3,9 @@ tools/convert_hf.py), on tiny random transformers models built from a config (no
 
 from-hf writes a torch_dist checkpoint (padded for tp2 x pp2) whose logits (read back in one process) equal the
 transformers model's; to-hf of that checkpoint loads in transformers with the same tensors; Qwen2's QKV
-bias and Mistral's config convert the same way; each converter refuses the other family in one line.
+bias and Mistral's config convert the same way; each converter refuses the other family in one line. Llama 3.1's
+and linear RoPE scaling and Mistral's sliding window (shorter than the sequence) give transformers' logits and
+greedy generations (the KV cache past the window) after conversion, and convert back.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron_like.inference import hf_gpt2, hf_llama, load_inference_model
+from megatron_like.inference import GenerationParams, generate, hf_gpt2, hf_llama, load_inference_model
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 
@@ -105,7 +107,7 @@ def test_qwen2_bias_and_mistral_convert_both_ways(family):
     ours = ours_from(hf)
     assert ours.config.qkv_bias == (family == "qwen2") and not ours.config.linear_bias
     if family == "mistral":
-        assert ours.config.max_positions == 32  # exact up to the sliding window
+        assert ours.config.attention_window == 32 and ours.config.window_size == "31,0"
     with torch.no_grad():
         torch.testing.assert_close(ours(IDS, None), hf(IDS).logits, rtol=1e-5, atol=LOGIT_ATOL)
     back = hf_llama.to_hf_state(ours.state_dict(), ours.config, VOCAB)
@@ -113,7 +115,7 @@ def test_qwen2_bias_and_mistral_convert_both_ways(family):
     for name, tensor in hf.state_dict().items():
         assert torch.equal(back[name], tensor), name
     config = hf_llama.hf_config(ours.config, VOCAB)
-    assert config["model_type"] == ("qwen2" if family == "qwen2" else "llama")
+    assert config["model_type"] == family
     rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
     rebuilt.load_state_dict(back, strict=True)  # to-hf's config and tensors make a working HF model
     with torch.no_grad():
@@ -132,6 +134,55 @@ def test_each_converter_refuses_the_other_family():
         hf_gpt2.model_config_from_hf(tiny("llama").config.to_dict())
     with pytest.raises(ValueError, match="model_type 'gpt2' is not one of"):
         hf_llama.model_config_from_hf(transformers.GPT2Config().to_dict())
-    scaled = dict(tiny("llama").config.to_dict(), rope_parameters={"rope_type": "llama3", "rope_theta": 5e5})
-    with pytest.raises(ValueError, match="rope type 'llama3'"):
+    scaled = dict(tiny("llama").config.to_dict(), rope_parameters={"rope_type": "yarn", "rope_theta": 5e5})
+    with pytest.raises(ValueError, match="rope type 'yarn' is not implemented"):
         hf_llama.model_config_from_hf(scaled)
+    qwen_window = dict(tiny("qwen2").config.to_dict(), use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="Qwen2's use_sliding_window"):
+        hf_llama.model_config_from_hf(qwen_window)
+
+
+# The scalings stretch a pretraining context of 16 positions (tiny's 64-position model reads 24-token inputs):
+# with head dim 16 and rope_theta 5e5 the rotary wavelengths are 6.3, 32, 167, ... positions, so llama3 keeps
+# one frequency, interpolates one and divides the other six; linear divides them all.
+LONG_CONTEXT = {
+    "llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
+    "linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "window": ("mistral", {"sliding_window": 5}),  # 5 keys per query: shorter than every input below
+}
+
+
+@pytest.mark.parametrize("variant", list(LONG_CONTEXT))
+def test_rope_scaling_and_sliding_window_equal_transformers(variant):
+    """Logits over 24 tokens (sdpa; the window also through the local core with and without the fused softmax),
+    greedy generation of left-padded prompts through the KV cache well past the window, and to-hf's config."""
+    family, overrides = LONG_CONTEXT[variant]
+    hf = tiny(family, **overrides)
+    ours = ours_from(hf)
+    m = ours.config
+    assert {"llama3": m.use_rope_scaling and m.rope_scaling_original_max_position_embeddings == 16,
+            "linear": m.rotary_seq_len_interpolation_factor == 4.0, "window": m.attention_window == 5}[variant]
+    with torch.no_grad():
+        expected = hf(IDS).logits
+        torch.testing.assert_close(ours(IDS, None), expected, rtol=1e-5, atol=LOGIT_ATOL)
+        if variant == "window":
+            for fusion in (True, False):
+                for layer in ours.layers:
+                    layer.attention.backend, layer.attention.softmax_fusion = "local", fusion
+                torch.testing.assert_close(ours(IDS, None), expected, rtol=1e-5, atol=LOGIT_ATOL)
+            for layer in ours.layers:
+                layer.attention.backend, layer.attention.softmax_fusion = "sdpa", True
+    prompts = [IDS[0, :9].tolist(), IDS[1, :3].tolist()]
+    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=12), vocab_size=VOCAB)
+    for prompt, ours_greedy in zip(prompts, greedy):
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours_greedy[0].token_ids == theirs
+    config = hf_llama.hf_config(m, VOCAB)
+    assert config["model_type"] == family
+    rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()
+    rebuilt.load_state_dict(hf_llama.to_hf_state(ours.state_dict(), m, VOCAB), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(IDS).logits, expected, rtol=0, atol=0)

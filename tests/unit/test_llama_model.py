@@ -131,6 +131,15 @@ def test_megatron_llama_flags_parse():
                             ).model.attention_core == ours
     qwen = parse_config(LLAMA_FLAGS + ["--add-qkv-bias"]).model
     assert qwen.qkv_bias and not qwen.linear_bias
+    llama31 = parse_config(LLAMA_FLAGS + ["--use-rope-scaling", "--rope-scaling-factor", "32"]).model
+    assert llama31.use_rope_scaling and llama31.rope_scaling_factor == 32.0
+    assert (llama31.rope_scaling_low_freq_factor, llama31.rope_scaling_high_freq_factor,
+            llama31.rope_scaling_original_max_position_embeddings) == (1.0, 4.0, 8192)  # Megatron-LM's fixed values
+    linear = parse_config(LLAMA_FLAGS + ["--rotary-seq-len-interpolation-factor", "4"]).model
+    assert linear.rotary_seq_len_interpolation_factor == 4.0 and not linear.use_rope_scaling
+    mistral = parse_config(LLAMA_FLAGS + ["--window-size", "4095,0"]).model
+    assert mistral.attention_window == 4096  # Mistral's sliding_window: the query itself and 4095 keys before it
+    assert parse_config(LLAMA_FLAGS + ["--window-size", "(-1,0)"]).model.attention_window is None  # -1: infinite
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -139,6 +148,16 @@ def test_megatron_llama_flags_parse():
      "--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
     (["--rotary-percent", "0"], "--rotary-percent 0.0 must be in (0, 1]"),
     (["--rotary-percent", "1.5"], "--rotary-percent 1.5 must be in (0, 1]"),
+    (["--window-size", "4096"], "--window-size '4096' must be two integers LEFT,RIGHT such as 4095,0"),
+    (["--window-size", "4095,4095"], "--window-size 4095,4095: RIGHT must be 0"),
+    (["--window-size=-2,0"], "--window-size -2,0: LEFT must be -1 (no window) or at least 0"),
+    (["--use-rope-scaling"], "RoPE scaling needs --position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rotary-seq-len-interpolation-factor", "2"],
+     "--use-rope-scaling and --rotary-seq-len-interpolation-factor are two RoPE scalings: pick one"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "0"],
+     "--rotary-seq-len-interpolation-factor 0.0 must be positive"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling", "--rope-scaling-low-freq-factor", "4"],
+     "--rope-scaling-low-freq-factor 4.0 must be positive and below --rope-scaling-high-freq-factor 4.0"),
 ])
 def test_bad_architecture_flags_are_one_line_errors(flags, message):
     base = ["--group-query-attention", "--num-attention-heads", "4", "--mock-data", "--vocab-size", "64"]
@@ -270,9 +289,9 @@ def test_training_builds_rotary_tables_once_and_they_survive_inference_mode(monk
 
     built = []
 
-    def counting(positions, rotary_dim, base):
-        built.append((len(positions), rotary_dim, base))
-        return original(positions, rotary_dim, base)
+    def counting(positions, rotary_dim, base, scaling=None):
+        built.append((len(positions), rotary_dim, base) + ((scaling.kind,) if scaling else ()))
+        return original(positions, rotary_dim, base, scaling)
 
     original = rotary.rotary_cos_sin
     monkeypatch.setattr(rotary, "rotary_cos_sin", counting)
@@ -288,3 +307,14 @@ def test_training_builds_rotary_tables_once_and_they_survive_inference_mode(monk
                      vocab_size=VOCAB, seed=1)
     other(ids[:, :-1], None)
     assert built[1:] == [(15, H // HEADS, 10000)]
+    scaled = GPTModel(llama_config(use_rope_scaling=True), ParallelState.single_process(torch.device("cpu")),
+                      vocab_size=VOCAB, seed=1)
+    scaled(ids[:, :-1], None)
+    assert built[2:] == [(15, H // HEADS, 500000, "llama3")]  # RoPE scaling: tables of their own
+
+
+def test_vit_refuses_a_sliding_window():
+    import pretrain_vit
+
+    with pytest.raises(ConfigError, match="--window-size 3,0: ViT attention is bidirectional"):
+        pretrain_vit.build_config(["--mock-data", "--window-size", "3,0"])
