@@ -34,6 +34,8 @@ period of the machine hits both. The table reports:
 - ``CPU s/step/rank``: user + system CPU seconds of a rank's process (all its threads, gloo's included) over
   the same steps, median per rank, the busiest rank; far less disturbed by other load on the machine than wall
   time. ``speed vs peer`` gives both ratios (the peer's time / ours: above 1 means ours is faster).
+  Printed after the table: minor page faults per step, the same way (fresh pages: on CPU a large temporary
+  made anew each step costs its page faults every time).
 - ``peak MiB/rank``: the most bytes of tensors alive at once during the measured step, from the profiler's
   allocation log (allocations minus frees since the side's construction: parameters, gradients,
   optimizer states and the step's transients; not the resident set); the largest over the ranks.
@@ -482,20 +484,20 @@ def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, com
     return step, peak, traffic
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process, every thread (gloo's workers included)."""
+def _usage() -> tuple[float, int]:
+    """User + system CPU time and minor page faults of this process so far, every thread (gloo's included)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
-def timed(step: Step) -> tuple[float, float]:
-    """``(wall seconds, this rank's CPU seconds)`` of one step, between barriers."""
+def timed(step: Step) -> tuple[float, float, int]:
+    """``(wall seconds, this rank's CPU seconds, its minor page faults)`` of one step, between barriers."""
     comm.barrier()
-    begin, cpu = time.perf_counter(), _cpu_seconds()
+    begin, (cpu, faults) = time.perf_counter(), _usage()
     step()
-    cpu = _cpu_seconds() - cpu
+    end_cpu, end_faults = _usage()
     comm.barrier()
-    return time.perf_counter() - begin, cpu
+    return time.perf_counter() - begin, end_cpu - cpu, end_faults - faults
 
 
 def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int) -> dict[str, dict]:
@@ -513,15 +515,17 @@ def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
     theirs, peer_peak, peer_sent = profiled_side(lambda: build_peer(config, tokens), peer=True)
     times: dict[str, list[float]] = {"ours": [], "peer": []}
     cpu: dict[str, list[float]] = {"ours": [], "peer": []}
+    faults: dict[str, list[int]] = {"ours": [], "peer": []}
     for _ in range(steps):
         for side, step in (("ours", ours), ("peer", theirs)):
-            wall, seconds = timed(step)
+            wall, seconds, minor_faults = timed(step)
             times[side].append(wall)
             cpu[side].append(seconds)
+            faults[side].append(minor_faults)
     model = _peer_model(config)
     params = sum(p.numel() for p in model.parameters())
     root_params = params - sum(p.numel() for p in model.layers.parameters())
-    return {"times": times, "cpu": cpu, "peak": {"ours": our_peak, "peer": peer_peak},
+    return {"times": times, "cpu": cpu, "faults": faults, "peak": {"ours": our_peak, "peer": peer_peak},
             "sent": {"ours": our_sent.bytes_sent, "peer": peer_sent.bytes_sent},
             "sent_by_kind": {"ours": our_sent.by_kind, "peer": peer_sent.by_kind}, "params": params,
             "root_params": root_params}
@@ -590,6 +594,10 @@ def main(argv: list[str] | None = None) -> None:
         for row in table(mode, sizes, [r[mode] for r in results], args.world_size):
             print(row)
     print(f"# parameters of the model: {results[0][args.modes[0]]['params']}")
+    for mode in args.modes:  # fresh pages touched per step (a new large buffer faults in each of its pages)
+        faults = {side: max(statistics.median(r[mode]["faults"][side]) for r in results) for side in ("ours", "peer")}
+        print(f"# {mode}: minor page faults per step (median, busiest rank): megatron_like {faults['ours']:.0f}, "
+              f"{PEERS[mode][0]} {faults['peer']:.0f}")
 
 
 if __name__ == "__main__":
