@@ -42,6 +42,8 @@ period of the machine hits both. The table reports:
 - ``CPU s/step/rank``: user + system CPU seconds of a rank's process (all its threads, gloo's included) over
   the same steps, median per rank, the busiest rank; far less disturbed by other load on the machine than wall
   time. ``speed vs peer`` gives both ratios (the peer's time / ours: above 1 means ours is faster).
+  Printed after the table: minor page faults per step, the same way (fresh pages: on CPU a large temporary
+  made anew each step costs its page faults every time).
 - ``peak MiB/rank``: the most bytes of tensors alive at once during the measured step, from the profiler's
   allocation log (allocations minus frees since the side's construction: parameters, gradients,
   optimizer states and the step's transients; not the resident set); the largest over the ranks.
@@ -503,20 +505,20 @@ def profiled_side(build: Callable[[], Step], peer: bool) -> tuple[Step, int, com
     return step, peak, traffic
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU time of this process, every thread (gloo's workers included)."""
+def _usage() -> tuple[float, int]:
+    """User + system CPU time and minor page faults of this process so far, every thread (gloo's included)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
 
 
-def timed(step: Step) -> tuple[float, float]:
-    """``(wall seconds, this rank's CPU seconds)`` of one step, between barriers."""
+def timed(step: Step) -> tuple[float, float, int]:
+    """``(wall seconds, this rank's CPU seconds, its minor page faults)`` of one step, between barriers."""
     comm.barrier()
-    begin, cpu = time.perf_counter(), _cpu_seconds()
+    begin, (cpu, faults) = time.perf_counter(), _usage()
     step()
-    cpu = _cpu_seconds() - cpu
+    end_cpu, end_faults = _usage()
     comm.barrier()
-    return time.perf_counter() - begin, cpu
+    return time.perf_counter() - begin, end_cpu - cpu, end_faults - faults
 
 
 def run_modes(rank: int, world: int, modes: list[str], sizes: Sizes, steps: int) -> dict[str, dict]:
@@ -538,15 +540,18 @@ def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
         stepping[side], peak[side], sent[side] = profiled_side(build, peer=side != "ours")
     times: dict[str, list[float]] = {side: [] for side in builds}
     cpu: dict[str, list[float]] = {side: [] for side in builds}
+    faults: dict[str, list[int]] = {side: [] for side in builds}
     for _ in range(steps):
         for side, step in stepping.items():
-            wall, seconds = timed(step)
+            wall, seconds, minor_faults = timed(step)
             times[side].append(wall)
             cpu[side].append(seconds)
+            faults[side].append(minor_faults)
     model = _peer_model(config)
     params = sum(p.numel() for p in model.parameters())
     root_params = params - sum(p.numel() for p in model.layers.parameters())
-    return {"times": times, "cpu": cpu, "peak": peak, "sent": {side: t.bytes_sent for side, t in sent.items()},
+    return {"times": times, "cpu": cpu, "faults": faults, "peak": peak,
+            "sent": {side: t.bytes_sent for side, t in sent.items()},
             "sent_by_kind": {side: t.by_kind for side, t in sent.items()}, "params": params,
             "root_params": root_params}
 
@@ -566,6 +571,11 @@ def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
     return float("nan")  # tp: activations all-gathered and reduce-scattered per layer, not a param multiple
 
 
+def side_name(mode: str, side: str) -> str:
+    """The table's name of a side: ours, the mode's PyTorch peer, or the floor."""
+    return {"ours": "megatron_like", "peer": PEERS[mode][0], "floor": FLOOR}[side]
+
+
 def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]:
     """Markdown rows ``| mode | side | s/step | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank |
     theory | speed (wall) | speed (CPU) |``: ours, the peer, and the floor where it was run."""
@@ -575,13 +585,12 @@ def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]
     # per rank the median over the steps, then the busiest rank
     cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in sides}
     theory = theory_bytes(mode, sizes, results[0]["params"], world) / 2**20
-    names = {"ours": "megatron_like", "peer": PEERS[mode][0], "floor": FLOOR}
     rows = []
     for side in sides:
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
         speed, cpu_speed = medians["peer"] / medians[side], cpu["peer"] / cpu[side]
-        rows.append(f"| {mode} | {names[side]} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | "
+        rows.append(f"| {mode} | {side_name(mode, side)} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | "
                     f"{cpu[side]:.3f} | {peak:.1f} | {sent:.2f} | {theory:.2f} | {speed:.2f}x | {cpu_speed:.2f}x |")
     return rows
 
@@ -616,6 +625,11 @@ def main(argv: list[str] | None = None) -> None:
         for row in table(mode, sizes, [r[mode] for r in results], args.world_size):
             print(row)
     print(f"# parameters of the model: {results[0][args.modes[0]]['params']}")
+    for mode in args.modes:  # fresh pages touched per step (a new large buffer faults in each of its pages)
+        sides = list(results[0][mode]["faults"])
+        faults = {side: max(statistics.median(r[mode]["faults"][side]) for r in results) for side in sides}
+        print(f"# {mode}: minor page faults per step (median, busiest rank): "
+              + ", ".join(f"{side_name(mode, side)} {faults[side]:.0f}" for side in sides))
 
 
 if __name__ == "__main__":

@@ -266,8 +266,8 @@ def all_reduce_flat(tensor: torch.Tensor, group: Group, async_op: bool = False) 
 # chunk out; its ``all_gather_into_tensor`` gathers into a temporary as large as the output and copies that
 # over. For the ZeRO buffers (the gradient reduce-scatter and the parameter all-gather of every step) the
 # flat collectives below use gloo primitives that move exactly the bytes of the collective they stand for,
-# without those full-size copies: measured per rank on 2 processes, 90 MB fp32, CPU seconds
-# (docs/performance.md): reduce-scatter 0.10 -> 0.07, all-gather 0.07 -> 0.015.
+# without those full-size copies: measured per rank on 2 processes, 90 MB fp32, CPU seconds, torch's -> ours
+# (benchmarks/gloo_collectives.py, docs/performance.md): reduce-scatter 0.133 -> 0.053, all-gather 0.106 -> 0.026.
 
 
 class _Finishing:
@@ -298,28 +298,59 @@ def _finish(work: _Finishing, async_op: bool) -> _Finishing | None:
     return None
 
 
+def _is_own_chunk(output: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether ``output`` is ``own`` itself (same memory, same length): the collective then works in place."""
+    return output.data_ptr() == own.data_ptr() and output.numel() == own.numel()
+
+
+# The tag of the reduce-scatter's point-to-point messages, apart from the pipeline's (0 and 1, pipeline_parallel/
+# p2p.py). gloo matches a receive to a send by (peer, tag) in posting order, and every rank of a group launches
+# its reduce-scatters in the same order, so successive ones in flight on a group pair up correctly. gloo's
+# collectives (the param all-gather's broadcasts, running at the same time) use slots of their own, never a
+# point-to-point tag.
+_REDUCE_SCATTER_TAG = 0x5253
+
+
 def reduce_scatter_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group,
                         async_op: bool = False) -> dist.Work | None:
     """Sum ``tensor [world * n]`` over ``group`` and write this rank's chunk into ``output [n]``.
 
-    On gloo: an all-to-all sends chunk ``r`` of ``tensor`` to rank ``r`` ((w - 1) / w of the bytes, as a ring
-    reduce-scatter), and each rank sums the ``w`` chunks it received into ``output`` when waited for.
+    ``output`` may be this rank's chunk of ``tensor`` (an in-place reduce-scatter, as NCCL allows): the other
+    ranks' chunks are then added into it, nothing is copied. On gloo: one batch of point-to-point messages sends
+    chunk ``j`` of ``tensor`` to rank ``j`` for every other rank ((w - 1) / w of the bytes, as a ring
+    reduce-scatter) and receives the other ranks' chunks of this rank's part into a buffer ``[w - 1, n]``; when
+    waited for (on the caller's thread, which also frees that buffer) this rank's own chunk and the received
+    ones are summed into ``output``.
     """
     if group is None:
-        output.copy_(tensor)
+        if output.data_ptr() != tensor.data_ptr():
+            output.copy_(tensor)
         return None
     _record("reduce_scatter", tensor, group)
     if not _is_gloo(group):
         return _reduce_scatter_flat(output, tensor, group=group, async_op=async_op)
-    world = dist.get_world_size(group)
-    received = torch.empty_like(tensor)  # [world, n]: row r is rank r's chunk of this rank's part
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if tensor.numel() != world * output.numel():
+        raise ValueError(f"reduce_scatter_flat: input of {tensor.numel()} elements is not {world} x the "
+                         f"output's {output.numel()}")
+    chunks = tensor.view(world, -1)
+    peers = [r for r in range(world) if r != rank]
+    received = torch.empty((world - 1, output.numel()), dtype=tensor.dtype, device=tensor.device)
+    ops = [dist.P2POp(dist.isend, chunks[r], group=group, group_peer=r, tag=_REDUCE_SCATTER_TAG) for r in peers]
+    ops += [dist.P2POp(dist.irecv, received[i], group=group, group_peer=r, tag=_REDUCE_SCATTER_TAG)
+            for i, r in enumerate(peers)]
 
     def then() -> None:
-        torch.sum(received.view(world, -1), dim=0, out=output)
+        own = chunks[rank]
+        if _is_own_chunk(output, own):
+            output.add_(received[0])
+        else:
+            torch.add(own, received[0], out=output)
+        for row in received[1:]:
+            output.add_(row)
         received.untyped_storage().resize_(0)
 
-    work = dist.all_to_all_single(received, tensor, group=group, async_op=True)
-    return _finish(_Finishing([work], then), async_op)
+    return _finish(_Finishing(dist.batch_isend_irecv(ops), then), async_op)
 
 
 def all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, group: Group,

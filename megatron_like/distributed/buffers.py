@@ -321,22 +321,22 @@ class ParamAndGradBuffer:
             def finish() -> None:
                 pass
         else:
-            out = torch.empty(bucket.shard_numel, dtype=torch.float32, device=grad.device)
-            work = comm.reduce_scatter_flat(out, grad, bucket.group, async_op=async_op)
-            # The temporaries are freed here, on this thread, once the collective is done with them: the
-            # backend's worker thread may otherwise drop the last reference later (the profiler and the
-            # CPU log figure, which watch this thread, would then never see the free).
+            # In place: the reduced shard lands in this rank's own chunk of the gradient (at stage 1 that chunk is
+            # ``grad_shard`` itself), so the reduce-scatter needs no output of its own and nothing is copied after.
+            own = grad[bucket.shard_start : bucket.shard_start + bucket.shard_numel]
+            work = comm.reduce_scatter_flat(own, grad, bucket.group, async_op=async_op)
             if self.zero_stage == 1:
                 def finish() -> None:
-                    bucket.grad_shard.copy_(out)
-                    out.untyped_storage().resize_(0)
+                    pass
             else:
                 bucket.grad_flat = None  # `grad` lives on in _pending until the collective is waited for
 
+                # The full gradient is freed here, on this thread, once the collective is done with it: the
+                # backend's worker thread may otherwise drop the last reference later (the profiler and the
+                # CPU log figure, which watch this thread, would then never see the free).
                 def finish() -> None:
                     self._allocate_grad_shards()
-                    bucket.grad_shard.add_(out)
-                    out.untyped_storage().resize_(0)
+                    bucket.grad_shard.add_(own)
                     grad.untyped_storage().resize_(0)
         bucket.reduction_launched = True
         if not async_op or work is None:
@@ -344,8 +344,8 @@ class ParamAndGradBuffer:
             return
         # One reduction in flight: finish the earlier ones now (they had this bucket's backward to complete).
         # At stage 2/3 each holds a full fp32 bucket gradient, every micro batch; and on gloo the reduce-scatter
-        # receives into a buffer as large as its input (collectives.reduce_scatter_flat). Unbounded, either would
-        # grow with the micro batches or buckets.
+        # receives the other ranks' chunks, (dp - 1) / dp of its input (collectives.reduce_scatter_flat).
+        # Unbounded, either would grow with the micro batches or buckets.
         self._finish_pending()
         self._pending.append((work, finish, grad))
 
