@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from megatron_like.config import (
     Config,
     ConfigError,
-    _add_group_flags,
+    add_group_flags,
     build_parser,
     config_from_namespace,
     print_once,
@@ -29,7 +29,7 @@ def parse_task_args(argv: list[str] | None, task_cls: type[TaskConfig], descript
                     defaults: dict[str, Any] | None = None) -> tuple[Config, TaskConfig]:
     """Parse Megatron flags plus ``task_cls``'s flags; ``defaults`` maps ``group.field`` to a new default."""
     parser = build_parser(description)
-    _add_group_flags(parser, "task", task_cls)
+    add_group_flags(parser, "task", task_cls)
     if defaults:
         parser.set_defaults(**defaults)
     namespace = parser.parse_args(argv)

@@ -1,0 +1,56 @@
+"""CheckpointConfig: saving, resuming and leaving a run early, and their rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_like.config.errors import _require
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving, resuming and leaving a run early."""
+
+    save: str | None = None
+    """Directory to save checkpoints to."""
+    load: str | None = None
+    """Directory to resume from (its latest_checkpointed_iteration.txt)."""
+    save_interval: int | None = None
+    """Save every this many iterations (and always at the end when --save is given)."""
+    save_optim: bool = True
+    """Save optimizer state (--no-save-optim saves weights only)."""
+    load_optim: bool = True
+    """Load optimizer state (--no-load-optim restarts Adam)."""
+    load_rng: bool = True
+    """Load the RNG states (--no-load-rng reseeds)."""
+    finetune: bool = False
+    """Load weights only and start at iteration 0."""
+    ckpt_format: Literal["torch", "torch_dist"] = "torch_dist"
+    """Format of new saves: torch_dist (torch.distributed.checkpoint global tensors, loads at any layout;
+    Megatron's default) or torch (one file per tp x pp rank, loads only at the same layout); --load
+    detects the format (docs/checkpoints.md)."""
+    async_save: bool = False
+    """torch_dist only: copy the state to host memory, then write it in a background thread while training
+    goes on; the next save and the end of training wait for it."""
+    exit_interval: int | None = None
+    """Save and exit when the iteration is a multiple of this."""
+    exit_duration_in_mins: float | None = None
+    """Save and exit after this many minutes of training."""
+    exit_signal_handler: bool = True
+    """On SIGTERM or SIGUSR1 save a checkpoint (with --save) and exit cleanly (--no-exit-signal-handler: die)."""
+    override_opt_param_scheduler: bool = False
+    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay) from this run's flags, not the
+    checkpoint's (the default here; Megatron's default refuses a mismatch). Also --override-opt_param-scheduler."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On resume, keep the checkpoint's lr schedule and ignore this run's lr flags. Also
+    --use-checkpoint-opt_param-scheduler."""
+
+    def validate(self) -> None:
+        if self.save_interval is not None:
+            _require(self.save_interval > 0, f"--save-interval {self.save_interval} must be positive")
+        _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                 "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: "
+                 "pass one (this run's lr flags, or the checkpoint's schedule)")
+        _require(not self.async_save or self.ckpt_format == "torch_dist",
+                 "--async-save writes torch_dist checkpoints only; drop --ckpt-format torch")

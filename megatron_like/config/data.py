@@ -1,0 +1,50 @@
+"""DataConfig: where training samples come from and how text becomes tokens, and their rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_like.config.errors import ConfigError, _require
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from and how text becomes tokens."""
+
+    data_path: list[str] = field(default_factory=list)
+    """Dataset prefixes, optionally weighted: 'pathA' or '0.3 pathA 0.7 pathB'."""
+    split: str = "969,30,1"
+    """Train/validation/test proportions of the documents."""
+    mock_data: bool = False
+    """Train on deterministic synthetic tokens (needs --vocab-size); no files are read."""
+    tokenizer_type: Literal["GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"] | None = None
+    """Tokenizer; defaults to NullTokenizer with --mock-data, else GPT2BPETokenizer."""
+    vocab_file: str | None = None
+    """GPT-2 vocabulary (encoder.json); defaults to the original GPT-2 file."""
+    merge_file: str | None = None
+    """GPT-2 merges (vocab.bpe); defaults to the original GPT-2 file."""
+    tokenizer_model: str | None = None
+    """tokenizer.json for the HuggingFaceTokenizer."""
+    data_cache_path: str | None = None
+    """Directory for the cached sample indices; defaults to beside the data."""
+    num_workers: int = 2
+    """Data loader worker processes."""
+    eod_mask_loss: bool = False
+    """Do not train on the prediction made at an end-of-document token (the next document's first token)."""
+
+    def validate(self) -> None:
+        _require(
+            self.mock_data or self.data_path,
+            "no training data: pass --data-path PREFIX (see data_tools/preprocess.py) or --mock-data",
+        )
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            raise ConfigError(f"--split {self.split!r} must be comma-separated numbers like 969,30,1") from None
+        _require(
+            len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
+            f"--split {self.split!r} needs up to three non-negative numbers with a positive sum",
+        )
+        _require(self.num_workers >= 0, f"--num-workers {self.num_workers} must be >= 0")
