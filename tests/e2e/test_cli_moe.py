@@ -33,6 +33,7 @@ def test_documented_moe_command_logs_the_losses_and_router_losses_of_one_process
     flags = documented_flags()
     assert flags[-len(EP2_TP2_SP):] == EP2_TP2_SP  # the one-process run is the flags before the layout
     output = launch(4, flags)
+    assert output.count(" > padded vocab (size: 512) with 0 dummy tokens (new size: 512)\n") == 1  # rank 0's
     expected = in_process_run(flags[:-len(EP2_TP2_SP)])
     iterations = list(range(1, len(expected["losses"]) + 1))
     losses = logged_losses(output)
