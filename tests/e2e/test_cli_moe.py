@@ -10,29 +10,18 @@ The command is read from the page, so the numbers a user gets from the documente
 
 from __future__ import annotations
 
-import shlex
-
 import pytest
 
 from megatron_like.config import build_parser
-from tests.e2e.cli import ROOT, in_process_run, launch, logged_losses, logged_values
+from tests.e2e.cli import documented_launch, in_process_run, launch, logged_losses, logged_values
 
 EP2_TP2_SP = ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 
-def documented_flags() -> list[str]:
-    """The flags of docs/moe.md's first ``bash`` block after ``pretrain_gpt.py``."""
-    text = (ROOT / "docs" / "moe.md").read_text()
-    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
-    words = shlex.split(block.replace("\\\n", " "))
-    assert words[:3] == [".venv/bin/torchrun", "--standalone", "--nproc_per_node=4"], words[:3]
-    return words[words.index("pretrain_gpt.py") + 1:]
-
-
 def test_documented_moe_command_logs_the_losses_and_router_losses_of_one_process():
-    flags = documented_flags()
-    assert flags[-len(EP2_TP2_SP):] == EP2_TP2_SP  # the one-process run is the flags before the layout
-    output = launch(4, flags)
+    nproc, flags = documented_launch("moe.md")
+    assert nproc == 4 and flags[-len(EP2_TP2_SP):] == EP2_TP2_SP  # one process runs the flags before the layout
+    output = launch(nproc, flags)
     assert output.count(" > padded vocab (size: 512) with 0 dummy tokens (new size: 512)\n") == 1  # rank 0's
     expected = in_process_run(flags[:-len(EP2_TP2_SP)])
     iterations = list(range(1, len(expected["losses"]) + 1))
