@@ -10,6 +10,7 @@ datasets provider. Everything else lives in ``megatron_like.training.pretrain``.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,6 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config_or_exit(argv, extra_check=check_gpt_flags)
     vocab_size, eod = vocab_and_eod(config)
     padded_vocab_size = config.padded_vocab_size(vocab_size)
+    if os.environ.get("RANK", "0") == "0":  # Megatron-LM's line: the padding depends on tp (docs/tensor_parallel.md)
+        print(f" > padded vocab (size: {vocab_size}) with {padded_vocab_size - vocab_size} dummy tokens "
+              f"(new size: {padded_vocab_size})", flush=True)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
     with exit_on_checkpoint_error():  # a broken checkpoint or a busy --save: one line, status 1

@@ -12,6 +12,10 @@ Expert tensor parallelism other than tp (the experts' own layout etp x ep x expe
 etp 1 inside tp 2 (the tp ranks become expert-parallel ranks: ep 2 with expert-dp 2, ep 4 across tp and dp)
 and etp 2 with tp 1 (two data-parallel ranks split each expert, the dispatcher gathers their pairs; with and
 without ep).
+
+The router's and the experts' other flags at ep 2 x tp 2 with sequence parallelism (docs/moe.md's command),
+each against its own single-process run: Sinkhorn routing with the grouped GEMM (alltoall), and softmax before
+top-k with position-ordered dropping padded to capacity (allgather).
 """
 
 from __future__ import annotations
@@ -66,11 +70,26 @@ CASES: dict[str, list[str]] = {
     "etp2-tp1-ep2-alltoall-zero3-capacity": ep(2) + etp(2) + ALLTOALL + zero(3) + CAPACITY,
     "etp2-tp1-ep1-allgather-zero2": etp(2) + ALLGATHER + zero(2),
 }
+# The router's and the experts' other flags, at the layout of docs/moe.md's command (ep 2 x tp 2 with sequence
+# parallelism), each against its own single-process run: name -> the model's flags beyond MOE.
+VARIANTS: dict[str, list[str]] = {
+    "ep2-tp2-sp-alltoall-sinkhorn-grouped-gemm": ["--moe-router-load-balancing-type", "sinkhorn",
+                                                  "--moe-grouped-gemm"],
+    "ep2-tp2-sp-allgather-pre-softmax-capacity-position-pad": ["--moe-router-pre-softmax"] + CAPACITY + [
+        "--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity"],
+}
+CASES.update({name: flags + ep(2) + TP2_SP + (ALLTOALL if "alltoall" in name else ALLGATHER)
+              for name, flags in VARIANTS.items()})
+
+
+def model_flags(name: str) -> tuple[str, ...]:
+    """The flags of the single-process run case ``name`` equals (its layout flags left out)."""
+    return tuple(VARIANTS.get(name, CAPACITY if "capacity" in name else []))
 
 
 @functools.cache
-def reference(capacity: bool) -> dict:
-    return merge_ranks([train_gpt(0, 1, MOE + (CAPACITY if capacity else []))])
+def reference(flags: tuple[str, ...] = ()) -> dict:
+    return merge_ranks([train_gpt(0, 1, MOE + list(flags))])
 
 
 @functools.cache
@@ -81,28 +100,33 @@ def runs() -> dict[str, dict]:
 
 
 def assert_same_router_losses(reference: dict, run: dict, steps: int = 3) -> None:
-    assert [sorted(step) for step in run["moe_losses"]] == [["load_balancing_loss", "z_loss"]] * steps
-    for name in ("load_balancing_loss", "z_loss"):
+    names = sorted(reference["moe_losses"][0])  # no load_balancing_loss with sinkhorn
+    assert names in (["load_balancing_loss", "z_loss"], ["z_loss"])
+    assert [sorted(step) for step in run["moe_losses"]] == [names] * steps
+    for name in names:
         torch.testing.assert_close(torch.tensor([step[name] for step in run["moe_losses"]]),
                                    torch.tensor([step[name] for step in reference["moe_losses"]]), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_training_equals_single_process(name: str) -> None:
-    run, expected = runs()[name], reference("capacity" in name)
+    run, expected = runs()[name], reference(model_flags(name))
     assert_same_training(expected, run)
     assert_same_router_losses(expected, run)
 
 
 def test_moe_reference_learns_and_drops_tokens() -> None:
-    plain, dropped = reference(False), reference(True)
+    plain, dropped = reference(), reference(tuple(CAPACITY))
     params = plain["params"]
     assert params["layers.0.mlp.experts.weight1"].shape == (4, 64, 64)  # [experts, h, 2 * ffn (gate, up)]
     assert params["layers.0.mlp.experts.weight2"].shape == (4, 32, 64)
     assert "layers.2.mlp.fc1.weight" in params and "layers.2.mlp.router.weight" not in params  # the dense layer
     assert plain["losses"][-1] < plain["losses"][0]
-    # Dropping changes the outputs (the capacity cases above are not the plain model in disguise).
+    # Dropping changes the outputs (the capacity cases above are not the plain model in disguise), and so does
+    # each variant's routing (compared with the model that differs from it only there).
     assert abs(dropped["losses"][0] - plain["losses"][0]) > 1e-4
+    for name, base in zip(VARIANTS, (plain, dropped), strict=True):
+        assert abs(reference(model_flags(name))["losses"][-1] - base["losses"][-1]) > 1e-3, name
 
 
 def test_expert_layout_is_megatrons_expert_rank_generator() -> None:

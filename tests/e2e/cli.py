@@ -247,6 +247,19 @@ def torchrun(nproc: int, flags: list[str], script: str = "pretrain_gpt.py", time
     return result.stdout
 
 
+def documented_launch(page: str, script: str = "pretrain_gpt.py") -> tuple[int, list[str]]:
+    """The first ``bash`` block of ``docs/<page>``, a ``torchrun --nproc_per_node=N script flags`` command:
+    ``(N, flags)``."""
+    import shlex
+
+    text = (ROOT / "docs" / page).read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = shlex.split(block.replace("\\\n", " "))
+    at = words.index(script)
+    [nproc] = [int(w.split("=")[1]) for w in words[:at] if w.startswith("--nproc_per_node=")]
+    return nproc, words[at + 1:]
+
+
 def logged_losses(stdout: str) -> dict[int, float]:
     """``{iteration: lm loss}`` from Megatron log lines."""
     return {int(it): float(loss) for it, loss in LOSS.findall(stdout)}

@@ -34,3 +34,5 @@ def test_preprocessed_corpus_trains_with_tensor_parallel_and_validates(tmp_path)
     for _, loss, ppl in validations:
         assert math.isclose(float(ppl), math.exp(float(loss)), rel_tol=1e-4)
     assert "number of parameters on (tensor, pipeline) model parallel rank (1, 0)" in output
+    # rank 0 says how tp padded the vocabulary (its rows take part in the softmax: tp 1 pads to 50304)
+    assert output.count(" > padded vocab (size: 50257) with 175 dummy tokens (new size: 50432)\n") == 1
