@@ -7,8 +7,8 @@
 [b, s, vocab]`` (real vocabulary, dynamic batch and sequence up to the position table), loadable with
 ``torch.export.load(path).module()`` and nothing of this repository; plus ``<save>/export_config.json``
 (vocabulary, end-of-text id, model shape) and the tokenizer files when known. ``hf`` writes the same as
-``tools/convert_hf.py to-hf`` (a ``GPT2LMHeadModel``, ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
-directory, following the model).
+``tools/convert_hf.py to-hf`` (a ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` or ``MixtralForCausalLM`` directory, following the model).
 """
 
 from __future__ import annotations

@@ -138,7 +138,11 @@ class SelfAttention(nn.Module):
     def window_mask(self, s: int, device: torch.device) -> torch.Tensor | None:
         """bool ``[s, s]`` (True = attend) when the sliding window is shorter than the sequence; None when
         plain causal (or bidirectional) attention is the same thing."""
-        if self.window is None or self.window >= s:
+        if self.window is None:
+            return None
+        # Under torch.compile / torch.export ``s`` may be symbolic: a branch on it would pin the sequence length
+        # (export's dynamic ``seq`` then fails), and the band is exact at any length.
+        if not torch.compiler.is_compiling() and self.window >= s:
             return None
         return sliding_window_mask(s, self.window, device)
 

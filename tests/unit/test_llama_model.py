@@ -200,6 +200,35 @@ def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_pa
                                    atol=1e-5)
 
 
+def test_export_of_a_sliding_window_and_rope_scaling_checkpoint(tmp_path):
+    """torch.export's dynamic sequence length holds a model with a window: the band is traced at any length (a
+    branch on ``window >= s`` would pin ``seq`` and refuse the export), and lengths on both sides of the window
+    give the model's logits."""
+    import os
+    import sys
+
+    from megatron_like.config import Config
+    from megatron_like.model.state import gather_full_state
+    from tests.unit.test_generation_state import write_checkpoint
+
+    model = llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32, window_size="5,0",
+                         use_rope_scaling=True, rope_scaling_original_max_position_embeddings=8)
+    ours = GPTModel(model, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1).eval()
+    config = Config(model=model)
+    config.data.mock_data = True
+    write_checkpoint(str(tmp_path), config, gather_full_state([ours]), VOCAB)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+    try:
+        import export
+    finally:
+        sys.path.pop(0)
+    program, _ = export.export_program(str(tmp_path))
+    for length in (4, 20):  # within the window of 6 keys, and past it
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(ids), ours(ids, None), rtol=1e-5, atol=1e-5)
+
+
 def test_resuming_with_other_architecture_flags_is_refused_and_old_checkpoints_still_load():
     from megatron_like.training.checkpointing import CheckpointError, check_compatible
 
