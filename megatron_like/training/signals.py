@@ -25,7 +25,6 @@ import time
 from types import FrameType
 
 import torch
-import torch.distributed as dist
 
 from megatron_like import collectives as comm
 from megatron_like.config import CheckpointConfig
@@ -87,7 +86,7 @@ class ExitConditions:
         self.received: int | None = None
         self._previous: dict[int, object] = {}
         self.watchdog = None
-        if timeout_minutes is not None and dist.is_initialized():
+        if timeout_minutes is not None and comm.is_initialized():
             self.watchdog = HangWatchdog(timeout_minutes * 60.0 + WATCHDOG_GRACE_SECONDS, sys._getframe(1))
         if checkpoint.exit_signal_handler:
             for signum in EXIT_SIGNALS:
@@ -114,8 +113,8 @@ class ExitConditions:
             float(self.received is not None),
             float(c.exit_duration_in_mins is not None and minutes > c.exit_duration_in_mins),
         ], device=self.device)
-        if dist.is_initialized():
-            comm.all_reduce(flags, dist.group.WORLD, op="max")
+        if comm.is_initialized():
+            comm.all_reduce(flags, comm.world_group(), op="max")
         if flags[0] > 0:
             name = signal.Signals(self.received).name if self.received is not None else "a signal on another rank"
             return f"received {name}"
