@@ -342,6 +342,15 @@ def test_training_builds_rotary_tables_once_and_they_survive_inference_mode(monk
     assert built[2:] == [(15, H // HEADS, 500000, "llama3")]  # RoPE scaling: tables of their own
 
 
+def test_rope_scaling_numbers_without_use_rope_scaling_warn():
+    """Llama 3.1's scaling numbers without --use-rope-scaling change nothing: a no-effect warning says so."""
+    from megatron_like.config import no_effect_warnings
+
+    assert no_effect_warnings(parse_config(LLAMA_FLAGS + ["--rope-scaling-factor", "32"])) == [
+        "--rope-scaling-factor has no effect without --use-rope-scaling"]
+    assert not no_effect_warnings(parse_config(LLAMA_FLAGS + ["--use-rope-scaling", "--rope-scaling-factor", "32"]))
+
+
 def test_vit_refuses_a_sliding_window():
     import pretrain_vit
 
