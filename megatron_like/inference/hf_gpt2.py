@@ -36,13 +36,16 @@ def _qkv_hf_to_ours(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def check_gpt2_style(model: ModelConfig) -> None:
     """Raise a one-line ValueError unless ``model`` is a GPT-2 architecture (learned positions, LayerNorm,
-    GELU, biases, one key/value head per query head)."""
+    GELU, biases, one key/value head per query head, full causal attention)."""
     wanted = [("position_embedding_type", "learned_absolute"), ("normalization", "LayerNorm"), ("swiglu", False),
               ("linear_bias", True), ("query_groups", model.num_attention_heads)]
     for field, value in wanted:
         if getattr(model, field) != value:
             raise ValueError(f"this checkpoint has {field}={getattr(model, field)!r}, not GPT-2's {value!r} "
                              "(Llama-style checkpoints convert to LlamaForCausalLM / Qwen2ForCausalLM)")
+    if model.attention_window is not None:
+        raise ValueError(f"this checkpoint has --window-size {model.window_size}: GPT2LMHeadModel has no sliding "
+                         "window (a Llama-style model with one converts to MistralForCausalLM)")
 
 
 def hf_config(model: ModelConfig, vocab_size: int, eod: int | None = None) -> dict:

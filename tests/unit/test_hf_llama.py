@@ -10,6 +10,7 @@ greedy generations (the KV cache past the window) after conversion, and convert 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -130,6 +131,9 @@ def test_each_converter_refuses_the_other_family():
     with pytest.raises(ValueError, match="position_embedding_type='learned_absolute'; a Llama/Qwen2 model needs "
                                          "--position-embedding-type rope"):
         hf_llama.to_hf_state({}, gpt2, VOCAB)
+    windowed = dataclasses.replace(gpt2, window_size="7,0")  # GPT-2 has no sliding window: not dropped silently
+    with pytest.raises(ValueError, match="--window-size 7,0: GPT2LMHeadModel has no sliding window"):
+        hf_gpt2.hf_config(windowed, VOCAB)
     with pytest.raises(ValueError, match="model_type 'llama' is not GPT-2"):
         hf_gpt2.model_config_from_hf(tiny("llama").config.to_dict())
     with pytest.raises(ValueError, match="model_type 'gpt2' is not one of"):
