@@ -3,7 +3,8 @@
 The query at position ``q`` attends to the key at position ``k`` when ``q - window < k <= q``: ``window`` keys,
 itself included. That is Hugging Face Mistral's sliding window (``kv_idx > q_idx - sliding_window``) and
 Megatron-LM's / flash-attention's ``window_size = (window - 1, 0)``. Training builds the ``[s, s]`` mask only when
-the window is shorter than the sequence (else plain causal attention is the same and takes the fast path);
+the window is shorter than the sequence (else plain causal attention is the same and takes the fast path), or
+always under torch.compile / torch.export, whose sequence length may be symbolic;
 generation's KV cache builds the rows of its new queries over every cached key (``inference/kv_cache.py``).
 """
 
