@@ -172,26 +172,34 @@ def test_other_bad_combinations():
         parse_config(["--add-qkv-bias", "--mock-data", "--vocab-size", "64"])
 
 
-def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_path):
-    """tools/export.py's torch.export program and the evaluation loop on a saved Llama-style checkpoint."""
+def export_checkpoint_of(ours: GPTModel, model: ModelConfig, root: str):
+    """(tools/export.py's torch.export program, its loaded InferenceModel) of ``ours`` saved under ``root`` with
+    the config ``model`` (mock data)."""
     import os
     import sys
 
     from megatron_like.config import Config
-    from megatron_like.inference.evaluation import pipelined_forward
     from megatron_like.model.state import gather_full_state
     from tests.unit.test_generation_state import write_checkpoint
 
-    _, ours = hf_and_ours
-    config = Config(model=llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32))
+    config = Config(model=model)
     config.data.mock_data = True
-    write_checkpoint(str(tmp_path), config, gather_full_state([ours]), VOCAB)
+    write_checkpoint(root, config, gather_full_state([ours]), VOCAB)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
     try:
         import export
     finally:
         sys.path.pop(0)
-    program, loaded = export.export_program(str(tmp_path))
+    return export.export_program(root)
+
+
+def test_export_and_evaluation_forward_of_a_llama_checkpoint(hf_and_ours, tmp_path):
+    """tools/export.py's torch.export program and the evaluation loop on a saved Llama-style checkpoint."""
+    from megatron_like.inference.evaluation import pipelined_forward
+
+    _, ours = hf_and_ours
+    model = llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32)
+    program, loaded = export_checkpoint_of(ours, model, str(tmp_path))
     ids = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = ours(ids, None)
@@ -204,25 +212,10 @@ def test_export_of_a_sliding_window_and_rope_scaling_checkpoint(tmp_path):
     """torch.export's dynamic sequence length holds a model with a window: the band is traced at any length (a
     branch on ``window >= s`` would pin ``seq`` and refuse the export), and lengths on both sides of the window
     give the model's logits."""
-    import os
-    import sys
-
-    from megatron_like.config import Config
-    from megatron_like.model.state import gather_full_state
-    from tests.unit.test_generation_state import write_checkpoint
-
     model = llama_config(vocab_size=VOCAB, make_vocab_size_divisible_by=8, seq_length=32, window_size="5,0",
                          use_rope_scaling=True, rope_scaling_original_max_position_embeddings=8)
     ours = GPTModel(model, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=1).eval()
-    config = Config(model=model)
-    config.data.mock_data = True
-    write_checkpoint(str(tmp_path), config, gather_full_state([ours]), VOCAB)
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
-    try:
-        import export
-    finally:
-        sys.path.pop(0)
-    program, _ = export.export_program(str(tmp_path))
+    program, _ = export_checkpoint_of(ours, model, str(tmp_path))
     for length in (4, 20):  # within the window of 6 keys, and past it
         ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(length))
         with torch.no_grad():
