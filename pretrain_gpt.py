@@ -10,14 +10,14 @@ datasets provider. Everything else lives in ``megatron_like.training.pretrain``.
 from __future__ import annotations
 
 import functools
-import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config, parse_config_or_exit
+from megatron_like.config import Config, parse_config_or_exit, print_once
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config_or_exit(argv, extra_check=check_gpt_flags)
     vocab_size, eod = vocab_and_eod(config)
     padded_vocab_size = config.padded_vocab_size(vocab_size)
-    if os.environ.get("RANK", "0") == "0":  # Megatron-LM's line: the padding depends on tp (docs/tensor_parallel.md)
-        print(f" > padded vocab (size: {vocab_size}) with {padded_vocab_size - vocab_size} dummy tokens "
-              f"(new size: {padded_vocab_size})", flush=True)
+    # Megatron-LM's line, on stdout with the training log: the padding depends on tp (docs/tensor_parallel.md)
+    print_once(f" > padded vocab (size: {vocab_size}) with {padded_vocab_size - vocab_size} dummy tokens "
+               f"(new size: {padded_vocab_size})", file=sys.stdout)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
     step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
     with exit_on_checkpoint_error():  # a broken checkpoint or a busy --save: one line, status 1

@@ -118,10 +118,11 @@ def _add_legacy_aliases(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- argument errors: one line, printed once
 
 
-def print_once(message: str) -> None:
-    """Print ``message`` to stderr on global rank 0 only (every rank of a launch parses the same flags)."""
+def print_once(message: str, file: typing.TextIO | None = None) -> None:
+    """Print ``message`` to ``file`` (default stderr) on global rank 0 only (every rank of a launch parses the same
+    flags)."""
     if os.environ.get("RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
+        print(message, file=file or sys.stderr, flush=True)
 
 
 class QuietArgumentParser(argparse.ArgumentParser):
