@@ -590,8 +590,9 @@ def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
         speed, cpu_speed = medians["peer"] / medians[side], cpu["peer"] / cpu[side]
+        theory_cell = "-" if side == "floor" else f"{theory:.2f}"  # the floor communicates nothing by design
         rows.append(f"| {mode} | {side_name(mode, side)} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | "
-                    f"{cpu[side]:.3f} | {peak:.1f} | {sent:.2f} | {theory:.2f} | {speed:.2f}x | {cpu_speed:.2f}x |")
+                    f"{cpu[side]:.3f} | {peak:.1f} | {sent:.2f} | {theory_cell} | {speed:.2f}x | {cpu_speed:.2f}x |")
     return rows
 
 
