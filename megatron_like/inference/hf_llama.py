@@ -24,6 +24,7 @@ import torch
 
 from megatron_like.config import ModelConfig
 from megatron_like.inference.hf_gpt2 import finish_full_state
+from megatron_like.model.rotary import rope_scaling_of
 
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -47,15 +48,15 @@ def check_llama_style(model: ModelConfig) -> None:
 
 
 def rope_parameters(model: ModelConfig) -> dict:
-    """Hugging Face's ``rope_parameters`` (transformers >= 5; ``rope_scaling`` before) of ``model``'s rotary flags."""
+    """Hugging Face's ``rope_parameters`` (transformers >= 5; ``rope_scaling`` before) of ``model``'s rotary flags,
+    read through the model's own :func:`rope_scaling_of` (HF's field names are those of :class:`RopeScaling`)."""
     parameters: dict = {"rope_theta": float(model.rotary_base), "rope_type": "default"}
-    if model.use_rope_scaling:
-        parameters.update(rope_type="llama3", factor=model.rope_scaling_factor,
-                          low_freq_factor=model.rope_scaling_low_freq_factor,
-                          high_freq_factor=model.rope_scaling_high_freq_factor,
-                          original_max_position_embeddings=model.rope_scaling_original_max_position_embeddings)
-    elif model.rotary_seq_len_interpolation_factor is not None:
-        parameters.update(rope_type="linear", factor=float(model.rotary_seq_len_interpolation_factor))
+    scaling = rope_scaling_of(model)
+    if scaling is not None:
+        parameters.update(rope_type=scaling.kind, factor=scaling.factor)
+    if scaling is not None and scaling.kind == "llama3":
+        parameters.update(low_freq_factor=scaling.low_freq_factor, high_freq_factor=scaling.high_freq_factor,
+                          original_max_position_embeddings=scaling.original_max_positions)
     return parameters
 
 
