@@ -66,6 +66,9 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, ClassificationC
         raise ConfigError("--train-data is required (TSV or JSONL with sentence1, sentence2, label)")
     if task.num_classes < 2:
         raise ConfigError(f"--num-classes {task.num_classes} must be at least 2")
+    if config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {config.parallel.context_parallel_size}: the classifier reads the "
+                          "last token of whole sequences; fine-tune without context parallelism")
     config.data.data_path = [task.train_data]
     if task.epochs is not None:
         if task.epochs <= 0:

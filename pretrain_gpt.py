@@ -19,6 +19,7 @@ import torch
 from megatron_like import collectives as comm
 from megatron_like.config import Config, parse_config_or_exit, print_once
 from megatron_like.model import GPTModel
+from megatron_like.model.context_parallel import sequence_mean_loss, split_batch
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
@@ -70,18 +71,29 @@ def get_batch(data_iterator: Iterator | None, device: torch.device,
     return {"tokens": tokens, "labels": labels, "position_ids": positions, "loss_mask": loss_mask}
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'."""
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
+              ps: ParallelState | None = None) -> tuple[torch.Tensor, dict]:
+    """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'.
+
+    With context parallelism (``ps.cp_size > 1``) the mean is over the whole sequence, whose other tokens the other
+    cp ranks hold (``sequence_mean_loss``).
+    """
+    if ps is not None and ps.cp_size > 1:
+        loss, reported = sequence_mean_loss(per_token_loss, loss_mask, ps)
+        return loss, {"lm loss": reported}
     loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
     return loss, {"lm loss": loss.detach()}
 
 
 def forward_step(data_iterator: Iterator | None, model: GPTModel,
                  eod_token: int | None = None) -> tuple[torch.Tensor, Callable]:
-    """Run one micro batch through ``model``; return its output and how to turn it into a loss."""
-    batch = get_batch(data_iterator, model.ps.device, eod_token)
+    """Run one micro batch through ``model``; return its output and how to turn it into a loss.
+
+    With context parallelism each cp rank keeps its two chunks of every ``[b, s]`` tensor (``split_batch``).
+    """
+    batch = split_batch(get_batch(data_iterator, model.ps.device, eod_token), model.ps)
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    return output, functools.partial(loss_func, batch["loss_mask"], ps=model.ps)
 
 
 def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:

@@ -58,6 +58,9 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, VisionConfig]:
     if not config.data.mock_data and len(config.data.data_path) != 1:
         raise ConfigError(f"--data-path takes one image-folder root (ROOT/train, ROOT/val), got "
                           f"{len(config.data.data_path)} values")
+    if config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {config.parallel.context_parallel_size}: context parallelism "
+                          "splits long text sequences; pretrain_vit.py runs without it")
     if config.model.attention_window is not None:
         raise ConfigError(f"--window-size {config.model.window_size}: ViT attention is bidirectional; sliding windows "
                           "are for causal (GPT) models")

@@ -1,14 +1,20 @@
 """The one object that owns the process groups and the device.
 
-Rank layout (docs/design.md §3): tensor-parallel innermost, then data-parallel, then pipeline outermost::
+Rank layout (docs/design.md §3), Megatron's order tp-cp-dp-pp: tensor-parallel innermost, then
+context-parallel, then data-parallel, then pipeline outermost::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
-The experts of an MoE layer see the same ``tp * dp`` ranks of a pipeline stage another way (Megatron-core's
+With cp = 1 (no context parallelism) that is ``pp_rank * (dp * tp) + dp_rank * tp + tp_rank``. The cp ranks of
+one data-parallel rank read the same batch and each keeps two of its 2 x cp sequence chunks
+(docs/context_parallel.md); gradients are reduced and ZeRO shards over the dp x cp ranks (``dp_cp_group``,
+Megatron's ``with_context_parallel=True``): they hold the same parameters.
+
+The experts of an MoE layer see the same ``tp * cp * dp`` ranks of a pipeline stage another way (Megatron-core's
 expert rank generator, order tp-ep-dp; docs/moe.md): expert tensor parallelism innermost, then expert
 parallelism, then expert data parallelism::
 
-    rank = pp_rank * (dp * tp) + expert_dp_rank * (ep * etp) + ep_rank * etp + etp_rank
+    rank = pp_rank * (dp * cp * tp) + expert_dp_rank * (ep * etp) + ep_rank * etp + etp_rank
 
 ``etp`` ranks split each expert's matmuls, ``ep_rank`` picks the experts a rank holds, ``expert_dp_rank``
 numbers the ranks holding the same expert shards (the expert-data-parallel group, over which expert
@@ -96,6 +102,22 @@ class ParallelState:
     """The ``etp * ep`` consecutive ranks that together hold one copy of every expert."""
     expert_dp_group: dist.ProcessGroup | None = None
     """Ranks holding the same expert shards (``tp dp / (etp ep)`` of them): expert gradients reduce here."""
+    cp_size: int = 1
+    """Context-parallel size: ranks that split each sequence (docs/context_parallel.md)."""
+    cp_comm_type: str = "p2p"
+    """How attention crosses the cp ranks: p2p, all_gather, a2a or a2a+p2p (--cp-comm-type)."""
+    cp_group: dist.ProcessGroup | None = None
+    """The ``cp`` consecutive (in units of tp) ranks that hold the chunks of one sequence."""
+    cp_a2a_group: dist.ProcessGroup | None = None
+    """a2a+p2p: the inner all-to-all group (consecutive cp ranks, --hierarchical-context-parallel-sizes' first)."""
+    cp_ring_group: dist.ProcessGroup | None = None
+    """a2a+p2p: the cp ranks with the same position in their all-to-all group, joined by the ring."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """dp x cp ranks holding the same parameters: gradients are averaged and ZeRO shards over them."""
+    cp_global_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks of this process's cp group, by cp rank (the ring's neighbours)."""
+    cp_ring_global_ranks: list[int] = field(default_factory=lambda: [0])
+    """Global ranks of this process's a2a+p2p ring group, in ring order."""
     pp_global_ranks: list[int] = field(default_factory=lambda: [0])
     """Global ranks of this process's pipeline group, by stage (for send/recv)."""
     dp_global_ranks: list[int] = field(default_factory=lambda: [0])
@@ -104,15 +126,29 @@ class ParallelState:
     # ---------------------------------------------------------------- coordinates
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
 
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.cp_size
+
+    @property
     def dp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.dp_size
+        return (self.rank // (self.tp_size * self.cp_size)) % self.dp_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks holding the same parameters (the data-parallel group with context parallelism, dp x cp)."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place among the dp x cp ranks (``dp_rank * cp + cp_rank``): its ZeRO shard."""
+        return self.dp_rank * self.cp_size + self.cp_rank
 
     @property
     def expert_tp_size(self) -> int:
@@ -120,8 +156,8 @@ class ParallelState:
 
     @property
     def _stage_rank(self) -> int:
-        """Position inside this pipeline stage's ``tp * dp`` ranks (``dp_rank * tp + tp_rank``)."""
-        return self.rank % (self.tp_size * self.dp_size)
+        """Position inside this pipeline stage's ``tp * cp * dp`` ranks."""
+        return self.rank % (self.tp_size * self.cp_size * self.dp_size)
 
     @property
     def etp_rank(self) -> int:
@@ -133,7 +169,7 @@ class ParallelState:
 
     @property
     def expert_dp_size(self) -> int:
-        return self.tp_size * self.dp_size // (self.expert_tp_size * self.ep_size)
+        return self.tp_size * self.cp_size * self.dp_size // (self.expert_tp_size * self.ep_size)
 
     @property
     def expert_dp_rank(self) -> int:
@@ -147,11 +183,11 @@ class ParallelState:
     def expert_rank_of(self, etp_rank: int, ep_rank: int, expert_dp_rank: int, pp_rank: int) -> int:
         """Global rank of the process at these expert coordinates (Megatron's expert order tp-ep-dp-pp)."""
         etp, ep = self.expert_tp_size, self.ep_size
-        return pp_rank * (self.dp_size * self.tp_size) + (expert_dp_rank * ep + ep_rank) * etp + etp_rank
+        return pp_rank * (self.dp_size * self.cp_size * self.tp_size) + (expert_dp_rank * ep + ep_rank) * etp + etp_rank
 
     @property
     def pp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.dp_size)
+        return self.rank // (self.tp_size * self.cp_size * self.dp_size)
 
     @property
     def is_first_stage(self) -> bool:
@@ -165,9 +201,10 @@ class ParallelState:
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
-    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+    def rank_of(self, tp_rank: int, dp_rank: int, pp_rank: int, cp_rank: int = 0) -> int:
         """Global rank of the process at these coordinates."""
-        return pp_rank * (self.dp_size * self.tp_size) + dp_rank * self.tp_size + tp_rank
+        tp, cp = self.tp_size, self.cp_size
+        return ((pp_rank * self.dp_size + dp_rank) * cp + cp_rank) * tp + tp_rank
 
     def pp_neighbor(self, offset: int) -> int:
         """Global rank of the stage ``offset`` away in this pipeline (wrapping around)."""
@@ -178,7 +215,9 @@ class ParallelState:
         if not self.experts_split_like_tp:
             experts += f", expert tp {self.etp_rank}/{self.expert_tp_size}"
         return (
-            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, dp {self.dp_rank}/{self.dp_size}{experts}, "
+            f"rank {self.rank}: tp {self.tp_rank}/{self.tp_size}, "
+            + (f"cp {self.cp_rank}/{self.cp_size} ({self.cp_comm_type}), " if self.cp_size > 1 else "")
+            + f"dp {self.dp_rank}/{self.dp_size}{experts}, "
             f"pp {self.pp_rank}/{self.pp_size} on {self.device} ({self.backend or 'no backend'})"
         )
 
@@ -200,10 +239,11 @@ class ParallelState:
         if world_size is None:
             world_size = int(os.environ.get("WORLD_SIZE", "1"))
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-        if world_size % (tp * pp) != 0:
+        cp = parallel.context_parallel_size
+        if world_size % (tp * cp * pp) != 0:
             raise ConfigError(
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
-                f"--pipeline-model-parallel-size {pp}"
+                + (f"--context-parallel-size {cp} * " if cp > 1 else "") + f"--pipeline-model-parallel-size {pp}"
             )
         if world_size == 1 and not dist.is_initialized():
             return cls.single_process(device)
@@ -218,19 +258,22 @@ class ParallelState:
             device_id = device if backend == "nccl" else None
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device_id,
                                     **_restart_safe_store(timeout))
-        dp, ep = world_size // (tp * pp), parallel.expert_model_parallel_size
+        dp, ep = world_size // (tp * cp * pp), parallel.expert_model_parallel_size
         etp = tp if parallel.expert_tensor_parallel_size is None else parallel.expert_tensor_parallel_size
-        if (tp * dp) % (etp * ep) != 0:
+        if (tp * cp * dp) % (etp * ep) != 0:
             raise ConfigError(f"--expert-tensor-parallel-size {etp} * --expert-model-parallel-size {ep} does not "
-                              f"divide tp {tp} * dp {dp} (the ranks of one pipeline stage)")
-        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, etp_size=etp, rank=dist.get_rank())
+                              f"divide tp {tp} * cp {cp} * dp {dp} (the ranks of one pipeline stage)")
+        state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, cp_comm_type=parallel.cp_comm_type,
+                    ep_size=ep, etp_size=etp, rank=dist.get_rank())
         state.device, state.backend = device, backend
         state._build_groups()
+        if cp > 1 and parallel.cp_comm_type == "a2a+p2p":
+            state._build_hierarchical_cp_groups(parallel.hierarchical_context_parallel_sizes[0])
         return state
 
     def _build_groups(self) -> None:
         """Create every subgroup. All ranks create all groups in the same order (a torch requirement)."""
-        tp, pp, dp = self.tp_size, self.pp_size, self.dp_size
+        tp, pp, dp, cp = self.tp_size, self.pp_size, self.dp_size, self.cp_size
         me = self.rank
 
         def make(ranks: list[int]) -> dist.ProcessGroup | None:
@@ -239,31 +282,50 @@ class ParallelState:
 
         for p in range(pp):
             for d in range(dp):
-                ranks = [self.rank_of(t, d, p) for t in range(tp)]
-                group = make(ranks)
-                if me in ranks:
-                    self.tp_group, self.tp_global_ranks = group, ranks
+                for c in range(cp):
+                    ranks = [self.rank_of(t, d, p, c) for t in range(tp)]
+                    group = make(ranks)
+                    if me in ranks:
+                        self.tp_group, self.tp_global_ranks = group, ranks
         for p in range(pp):
-            for t in range(tp):
-                ranks = [self.rank_of(t, d, p) for d in range(dp)]
+            for c in range(cp):
+                for t in range(tp):
+                    ranks = [self.rank_of(t, d, p, c) for d in range(dp)]
+                    group = make(ranks)
+                    if me in ranks:
+                        self.dp_group, self.dp_global_ranks = group, ranks
+        self.dp_cp_group = self.dp_group  # cp = 1: the ranks holding the same parameters are the dp ranks
+        if cp > 1:  # the sequence's cp ranks, and the dp x cp ranks that hold the same parameters
+            for p in range(pp):
+                for d in range(dp):
+                    for t in range(tp):
+                        ranks = [self.rank_of(t, d, p, c) for c in range(cp)]
+                        group = make(ranks)
+                        if me in ranks:
+                            self.cp_group, self.cp_global_ranks = group, ranks
+            for p in range(pp):
+                for t in range(tp):
+                    ranks = [self.rank_of(t, d, p, c) for d in range(dp) for c in range(cp)]
+                    group = make(ranks)
+                    if me in ranks:
+                        self.dp_cp_group = group
+        for d in range(dp):
+            for c in range(cp):
+                for t in range(tp):
+                    ranks = [self.rank_of(t, d, p, c) for p in range(pp)]
+                    group = make(ranks)
+                    if me in ranks:
+                        self.pp_group, self.pp_global_ranks = group, ranks
+                    embedding_ranks = sorted({ranks[0], ranks[-1]})
+                    group = make(embedding_ranks)
+                    if me in embedding_ranks and pp > 1:
+                        self.embedding_group = group
+        for d in range(dp):
+            for c in range(cp):
+                ranks = [self.rank_of(t, d, p, c) for p in range(pp) for t in range(tp)]
                 group = make(ranks)
                 if me in ranks:
-                    self.dp_group, self.dp_global_ranks = group, ranks
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [self.rank_of(t, d, p) for p in range(pp)]
-                group = make(ranks)
-                if me in ranks:
-                    self.pp_group, self.pp_global_ranks = group, ranks
-                embedding_ranks = sorted({ranks[0], ranks[-1]})
-                group = make(embedding_ranks)
-                if me in embedding_ranks and pp > 1:
-                    self.embedding_group = group
-        for d in range(dp):
-            ranks = [self.rank_of(t, d, p) for p in range(pp) for t in range(tp)]
-            group = make(ranks)
-            if me in ranks:
-                self.model_parallel_group = group
+                    self.model_parallel_group = group
         ep, etp, edp = self.ep_size, self.expert_tp_size, self.expert_dp_size
         if ep > 1 or etp != tp:  # the expert layout of each stage (Megatron's expert rank generator)
             for p in range(pp):
@@ -289,10 +351,13 @@ class ParallelState:
                         if me in ranks:
                             self.expert_dp_group = group
         else:  # no expert layout of its own: experts split and reduce like the dense MLP
-            self.etp_group, self.expert_tp_ep_group, self.expert_dp_group = self.tp_group, self.tp_group, self.dp_group
+            self.etp_group, self.expert_tp_ep_group = self.tp_group, self.tp_group
+            self.expert_dp_group = self.dp_cp_group
         # Groups of size one never need a collective; None makes that explicit to every caller.
         if tp == 1:
             self.tp_group = None
+        if dp * cp == 1:
+            self.dp_cp_group = None
         if dp == 1:
             self.dp_group = None
         if ep == 1:
@@ -307,6 +372,26 @@ class ParallelState:
             self.pp_group = None
         if tp * pp == 1:
             self.model_parallel_group = None
+
+    def _build_hierarchical_cp_groups(self, a2a_size: int) -> None:
+        """a2a+p2p: split every cp group into all-to-all groups of ``a2a_size`` consecutive cp ranks and the rings
+        that join the ranks at the same place of each (Megatron's hierarchical context parallelism)."""
+        rings = self.cp_size // a2a_size
+        me = self.rank
+        for p in range(self.pp_size):
+            for d in range(self.dp_size):
+                for t in range(self.tp_size):
+                    cp_ranks = [self.rank_of(t, d, p, c) for c in range(self.cp_size)]
+                    for outer in range(rings):
+                        ranks = cp_ranks[outer * a2a_size:(outer + 1) * a2a_size]
+                        group = dist.new_group(ranks)
+                        if me in ranks:
+                            self.cp_a2a_group = group if a2a_size > 1 else None
+                    for inner in range(a2a_size):
+                        ranks = cp_ranks[inner::a2a_size]
+                        group = dist.new_group(ranks)
+                        if me in ranks:
+                            self.cp_ring_group, self.cp_ring_global_ranks = (group if rings > 1 else None), ranks
 
     def use_device_in_this_thread(self) -> None:
         """Make this rank's GPU the current one in the calling thread (a new thread starts on GPU 0, so a

@@ -37,8 +37,14 @@ class Config:
     # ---------------------------------------------------------------- derived sizes
     @property
     def data_parallel_size(self) -> int:
+        """Ranks that read different batches: the world over tp x cp x pp (cp ranks share a batch)."""
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one batch together: tp x cp x pp."""
         p = self.parallel
-        return self.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        return p.tensor_model_parallel_size * p.context_parallel_size * p.pipeline_model_parallel_size
 
     @property
     def num_microbatches(self) -> int:
@@ -95,16 +101,26 @@ class Config:
             m.ffn_size % tp == 0,
             f"--ffn-hidden-size {m.ffn_size} is not divisible by --tensor-model-parallel-size {tp}",
         )
-        _require(
-            self.world_size % (tp * pp) == 0,
-            f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
-            f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
-        )
+        cp = p.context_parallel_size
+        if cp == 1:
+            _require(
+                self.world_size % (tp * pp) == 0,
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+                f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes",
+            )
+        else:
+            _require(
+                self.world_size % (tp * cp * pp) == 0,
+                f"world size {self.world_size} is not divisible by --tensor-model-parallel-size {tp} * "
+                f"--context-parallel-size {cp} * --pipeline-model-parallel-size {pp}; launch a multiple of "
+                f"{tp * cp * pp} processes",
+            )
+            self.validate_context_parallel()
         if p.sequence_parallel:
             _require(
-                m.seq_length % tp == 0,
-                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp} "
-                "(needed by --sequence-parallel)",
+                m.seq_length % (tp * cp) == 0,
+                f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}"
+                + (f" * --context-parallel-size {cp}" if cp > 1 else "") + " (needed by --sequence-parallel)",
             )
         _require(
             m.num_layers % pp == 0,
@@ -142,11 +158,30 @@ class Config:
             )
         return self
 
+    def validate_context_parallel(self) -> None:
+        """Context parallelism's rules: the sequence cuts into 2 x cp chunks, and the all-to-all modes split the
+        heads of each tp rank (query heads and key/value heads) over their all-to-all group."""
+        m, p = self.model, self.parallel
+        tp, cp = p.tensor_model_parallel_size, p.context_parallel_size
+        _require(m.seq_length % (2 * cp) == 0,
+                 f"--seq-length {m.seq_length} is not divisible by 2 * --context-parallel-size {cp} (each "
+                 "context-parallel rank keeps two of 2 x cp equal chunks)")
+        _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
+                 f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
+                 "rank); use --ckpt-format torch_dist")
+        a2a = {"a2a": cp, "a2a+p2p": (p.hierarchical_context_parallel_sizes or [1])[0]}.get(p.cp_comm_type, 1)
+        heads, groups = m.num_attention_heads // tp, m.query_groups // tp
+        _require(heads % a2a == 0 and groups % a2a == 0,
+                 f"--cp-comm-type {p.cp_comm_type}: the {heads} query heads and {groups} key/value heads of each "
+                 f"tensor-parallel rank are not divisible by the all-to-all size {a2a} (--num-attention-heads "
+                 f"{m.num_attention_heads}, --num-query-groups {m.query_groups}, --tensor-model-parallel-size {tp})")
+
     def validate_moe_layout(self) -> None:
         """Expert parallelism's rules (Megatron-LM's): ep divides the experts, and the experts' layout (etp x ep x
         expert-dp) covers the tp x dp ranks of a pipeline stage."""
         m, p = self.model, self.parallel
         tp, ep, dp = p.tensor_model_parallel_size, p.expert_model_parallel_size, self.data_parallel_size
+        cp = p.context_parallel_size  # the experts see the tokens of dp x cp (Megatron's expert layout)
         etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
         _require(etp >= 1, f"--expert-tensor-parallel-size {etp} must be at least 1")
         if m.num_experts is None:
@@ -155,10 +190,11 @@ class Config:
             return
         _require(m.num_experts % ep == 0,
                  f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}")
-        _require((tp * dp) % (etp * ep) == 0,
+        _require((tp * cp * dp) % (etp * ep) == 0,
                  f"--expert-model-parallel-size {ep} * --expert-tensor-parallel-size {etp} does not divide "
-                 f"--tensor-model-parallel-size {tp} * the data-parallel size {dp} (world size {self.world_size} / "
-                 f"pp {p.pipeline_model_parallel_size}); the experts' layout splits the ranks of a pipeline stage")
+                 f"--tensor-model-parallel-size {tp} * " + (f"--context-parallel-size {cp} * " if cp > 1 else "")
+                 + f"the data-parallel size {dp} (world size {self.world_size} / pp {p.pipeline_model_parallel_size}); "
+                 "the experts' layout splits the ranks of a pipeline stage")
         _require(etp == tp or tp == 1 or p.sequence_parallel,
                  f"--expert-tensor-parallel-size {etp} other than --tensor-model-parallel-size {tp} needs "
                  "--sequence-parallel (each tp rank sends its own sequence shard to the experts)")

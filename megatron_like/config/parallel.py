@@ -19,6 +19,16 @@ class ParallelConfig:
     """Pipeline stages that split the layers."""
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
+    context_parallel_size: int = 1
+    """Processes that split each sequence (context parallelism): each holds 2 of the 2 x cp load-balanced chunks
+    and attention exchanges keys and values (--cp-comm-type); docs/context_parallel.md."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How attention reaches the keys of the other context-parallel ranks: p2p (ring of key/value blocks),
+    all_gather (all keys and values gathered), a2a (all-to-all from sequence shards to head shards, Ulysses),
+    a2a+p2p (a2a inside groups of --hierarchical-context-parallel-sizes' first size, a ring across them)."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """For --cp-comm-type a2a+p2p: two sizes whose product is --context-parallel-size, the all-to-all group
+    (inner, consecutive ranks) then the ring across those groups."""
     sequence_parallel: bool = False
     """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
     expert_model_parallel_size: int = 1
@@ -44,7 +54,8 @@ class ParallelConfig:
     """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
 
     def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             value = getattr(self, name)
             _require(value >= 1, f"{flag_name(name)} {value} must be at least 1")
         _require(self.zero_stage in (0, 1, 2, 3), f"--zero-stage {self.zero_stage} must be 0, 1, 2 or 3")
@@ -52,8 +63,22 @@ class ParallelConfig:
             self.distributed_timeout_minutes > 0,
             f"--distributed-timeout-minutes {self.distributed_timeout_minutes} must be positive",
         )
+        self.validate_context_parallel()
         if self.use_distributed_optimizer and self.zero_stage == 0:
             self.zero_stage = 1  # Megatron's name for ZeRO-1
         _require(not self.overlap_param_gather or self.zero_stage >= 1,
                  "--overlap-param-gather needs --zero-stage 1, 2 or 3 (or --use-distributed-optimizer): "
                  "without ZeRO no parameters are gathered")
+
+
+    def validate_context_parallel(self) -> None:
+        """--cp-comm-type and --hierarchical-context-parallel-sizes agree with --context-parallel-size."""
+        cp, sizes = self.context_parallel_size, self.hierarchical_context_parallel_sizes
+        if self.cp_comm_type != "a2a+p2p":
+            _require(sizes is None, f"--hierarchical-context-parallel-sizes {sizes} needs --cp-comm-type a2a+p2p")
+            return
+        _require(sizes is not None and len(sizes) == 2,
+                 f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A2A P2P (two sizes), got {sizes}")
+        _require(all(size >= 1 for size in sizes) and sizes[0] * sizes[1] == cp,
+                 f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: their product must be "
+                 f"--context-parallel-size {cp}")

@@ -47,11 +47,14 @@ Why not Megatron's way (accumulate full gradients over micro batches, reduce-sca
 one)? That keeps a full fp32 gradient (4 bytes per parameter) for the whole step, which is stage 1's
 memory, and stage 1 already does exactly that.
 
-Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum).
+Gradients are averaged over data-parallel ranks (scaled by ``1 / dp`` before the sum). With context parallelism
+"data-parallel" here means the dp x cp ranks (``ps.dp_cp_group``): they hold the same parameters, and each cp
+rank's loss comes scaled by cp so that the average over them is the gradient of the whole sequence's loss
+(``model/context_parallel.py``).
 
 Expert parameters (``param.expert_parallel``, docs/moe.md) get buckets of their own in each layer unit,
 reduced, sharded (ZeRO) and gathered over the *expert-data-parallel* group (the ``dp / ep`` ranks holding
-the same experts) instead of the data-parallel group. They are still scaled by ``1 / dp``: each expert's
+the same experts) instead of the data-parallel group. They are still scaled by ``1 / (dp cp)``: each expert's
 gradient already sums the tokens of its ``ep`` expert-parallel ranks (the all-to-all's backward brings them).
 """
 
@@ -195,7 +198,8 @@ class ParamAndGradBuffer:
                  overlap_param_gather: bool = False) -> None:
         self.ps, self.zero_stage, self.overlap = ps, zero_stage, overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
-        self.dp_group, self.dp_size = ps.dp_group, ps.dp_size
+        # The ranks holding the same parameters: dp x cp (context-parallel ranks hold different tokens of one batch).
+        self.dp_group, self.dp_size = ps.dp_cp_group, ps.dp_cp_size
         sharded = zero_stage >= 1
         dtypes = {p.dtype for p in chunk.parameters()}
         if len(dtypes) != 1:
@@ -273,10 +277,11 @@ class ParamAndGradBuffer:
 
     @staticmethod
     def _bucket(params: list[nn.Parameter], ps: ParallelState, sharded: bool, is_shared_embedding: bool) -> Bucket:
-        """A bucket over the data-parallel group, or over the expert-data-parallel group for expert params."""
+        """A bucket over the data-parallel (x context-parallel) group, or over the expert-data-parallel group for
+        expert params."""
         if any(getattr(p, "expert_parallel", False) for p in params):
             return Bucket(params, ps.expert_dp_size, ps.expert_dp_rank, sharded, group=ps.expert_dp_group)
-        return Bucket(params, ps.dp_size, ps.dp_rank, sharded, is_shared_embedding, group=ps.dp_group)
+        return Bucket(params, ps.dp_cp_size, ps.dp_cp_rank, sharded, is_shared_embedding, group=ps.dp_cp_group)
 
     # ---------------------------------------------------------------- backward hooks
     def _make_grad_hook(self, bucket: Bucket, start: int, end: int) -> Callable[[nn.Parameter], None]:

@@ -45,6 +45,9 @@ def setup(config: Config, data_parallel: bool = False) -> ParallelState:
     A model whose experts are split over ``--expert-model-parallel-size`` ep ranks spans tp x pp x ep
     processes: the ep ranks hold different experts and replicate the rest (docs/moe.md)."""
     p = config.parallel
+    if p.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size {p.context_parallel_size}: generation, serving and evaluation run "
+                          "without context parallelism; drop the flag (a cp-trained checkpoint loads at cp 1)")
     tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
     sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}" + (
         f" x --expert-model-parallel-size {ep}" if ep > 1 else "")

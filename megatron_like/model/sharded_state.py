@@ -188,7 +188,7 @@ def owned_segments(model: list[nn.Module], ps: ParallelState) -> Iterator[
 def writes_segment(placement: ParamPlacement, ps: ParallelState, zero_stage: int) -> bool:
     """Whether this rank writes its segment of a parameter: each global element is written exactly once.
 
-    Without ZeRO every dp rank holds the whole bucket (dp rank 0 writes it); with ZeRO each dp rank writes
+    Without ZeRO every dp (x cp) rank holds the whole bucket (dp x cp rank 0 writes it); with ZeRO each writes
     its own shard. Expert weights likewise over the expert-data-parallel group (the ranks holding the same
     expert shards, whatever etp and ep are; their buckets are sharded there): no expert weight is
     tp-replicated (each etp rank holds its own slice, etp 1 included). A tp-replicated parameter is written
@@ -196,7 +196,7 @@ def writes_segment(placement: ParamPlacement, ps: ParallelState, zero_stage: int
     """
     if placement.tied_copy or (placement.tp_replicated and ps.tp_rank != 0):
         return False
-    return zero_stage >= 1 or (ps.expert_dp_rank if placement.expert else ps.dp_rank) == 0
+    return zero_stage >= 1 or (ps.expert_dp_rank if placement.expert else ps.dp_cp_rank) == 0
 
 
 def model_save_pieces(model: list[nn.Module], ps: ParallelState, zero_stage: int,

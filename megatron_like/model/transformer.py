@@ -35,6 +35,7 @@ from megatron_like.kernels import (
 )
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.attention_mask import sliding_window_mask
+from megatron_like.model.context_parallel import context_parallel_attention, cp_positions
 from megatron_like.model.norms import build_norm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -92,6 +93,8 @@ class SelfAttention(nn.Module):
         self.backend, self.softmax_fusion = config.attention_core, config.masked_softmax_fusion
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer = layer
+        # Context parallelism: this rank holds two chunks of each sequence (model/context_parallel/)
+        self.context_parallel = ps if ps.cp_size > 1 else None
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
         self.qkv = ColumnParallelLinear(
             h, qkv_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
@@ -113,7 +116,8 @@ class SelfAttention(nn.Module):
         ``rotary_tables``: cos and sin ``[s, rotary_dim]`` of the tokens' positions (generation: they
         continue after the cached tokens, see ``KVCache.rotary_tables``); None = positions ``0 .. s - 1``:
         training sees whole sequences (the QKV linear gathered the sequence-parallel shards), so those are
-        the positions on every tp rank and pipeline stage (their tables are built once and cached).
+        the positions on every tp rank and pipeline stage (their tables are built once and cached); with
+        context parallelism the global positions of this cp rank's two chunks.
         """
         s, b, _ = qkv.shape
         ng = self.groups_per_rank
@@ -123,12 +127,22 @@ class SelfAttention(nn.Module):
         q = q.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
         k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary:
-            if rotary_tables is None:
+            if rotary_tables is None and self.context_parallel is not None:
+                rotary_tables = self.context_parallel_rotary_tables(s, qkv.device)
+            elif rotary_tables is None:
                 rotary_tables = sequence_rotary_tables(s, self.rotary_dim, self.rotary_base, qkv.device,
                                                        self.rope_scaling)
             cos, sin = rotary_tables
             q, k = fused_apply_rotary(q, cos, sin), fused_apply_rotary(k, cos, sin)
         return q, k, v
+
+    def context_parallel_rotary_tables(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[s, rotary_dim]`` at the global positions of this cp rank's ``s`` tokens."""
+        ps = self.context_parallel
+        cos, sin = sequence_rotary_tables(s * ps.cp_size, self.rotary_dim, self.rotary_base, device,
+                                          self.rope_scaling)
+        positions = cp_positions(s * ps.cp_size, ps.cp_size, ps.cp_rank, device)
+        return cos[positions], sin[positions]
 
     def merge_heads(self, context: torch.Tensor) -> torch.Tensor:
         """``[b, np, s, hd]`` -> ``[s, b, np * hd]``."""
@@ -155,10 +169,14 @@ class SelfAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
         grouped = self.groups_per_rank != self.heads_per_rank
-        band = self.window_mask(q.shape[2], q.device)
+        band = self.window_mask(q.shape[2], q.device) if self.context_parallel is None else None
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
-            if self.backend == "sdpa":
+            if self.context_parallel is not None:  # the other cp ranks hold the rest of the sequence
+                context = context_parallel_attention(
+                    q, k, v, self.context_parallel, window_left=None if self.window is None else self.window - 1,
+                    causal=self.causal, dropout_p=dropout_p)
+            elif self.backend == "sdpa":
                 context = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=self.causal and band is None,
                     enable_gqa=grouped,

@@ -69,7 +69,7 @@ class DistributedOptimizer:
     def __init__(self, data_parallel: DataParallel, config: OptimizerConfig, precision: PrecisionConfig,
                  ps: ParallelState, cpu_offload: bool = False) -> None:
         self.data_parallel, self.config, self.ps = data_parallel, config, ps
-        self.sharded = data_parallel.zero_stage >= 1 and ps.dp_size > 1
+        self.sharded = data_parallel.zero_stage >= 1 and ps.dp_cp_size > 1
         self.zero = data_parallel.zero_stage >= 1  # buckets hold 1 / (expert-)dp of the gradient
         self.scaler: LossScaler | None = build_loss_scaler(precision)
         self.cpu_offload = cpu_offload
@@ -134,8 +134,8 @@ class DistributedOptimizer:
         torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.tensor(True)
         found_inf = (~finite).float().reshape(1).to(self.ps.device)
-        # Over the whole world (dp, then tp x pp): shards and experts differ across dp and tp ranks.
-        comm.all_reduce(found_inf, self.ps.dp_group, op="max")
+        # Over the whole world (dp x cp, then tp x pp): shards and experts differ across dp and tp ranks.
+        comm.all_reduce(found_inf, self.ps.dp_cp_group, op="max")
         comm.all_reduce(found_inf, self.ps.model_parallel_group, op="max")
         return bool(found_inf.item() > 0)
 
@@ -153,7 +153,7 @@ class DistributedOptimizer:
 
         squares, expert_squares = sum_of_squares(False), sum_of_squares(True)
         if self.zero:
-            comm.all_reduce(squares, self.ps.dp_group)
+            comm.all_reduce(squares, self.ps.dp_cp_group)
         if any(bucket.is_expert for bucket in self.buckets):  # the same on every rank of a pipeline stage
             if self.zero:
                 comm.all_reduce(expert_squares, self.ps.expert_dp_group)
@@ -213,18 +213,19 @@ class DistributedOptimizer:
             "masters": masters,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "zero_stage": self.data_parallel.zero_stage,
-            "dp_size": self.ps.dp_size,
-            "dp_rank": self.ps.dp_rank,
+            "dp_size": self.ps.dp_cp_size,  # the ZeRO shards' count and this rank's (dp x cp ranks)
+            "dp_rank": self.ps.dp_cp_rank,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (same layout: zero stage, dp and tp sizes) and the params."""
-        if state.get("dp_size", self.ps.dp_size) != self.ps.dp_size and self.sharded:
+        dp, dp_rank = self.ps.dp_cp_size, self.ps.dp_cp_rank
+        if state.get("dp_size", dp) != dp and self.sharded:
             raise ValueError(f"optimizer shard saved with data-parallel size {state['dp_size']}, this run has "
-                             f"{self.ps.dp_size}: ZeRO shards cannot be loaded across dp sizes")
-        if self.sharded and state.get("dp_rank", self.ps.dp_rank) != self.ps.dp_rank:
+                             f"{dp}: ZeRO shards cannot be loaded across dp sizes")
+        if self.sharded and state.get("dp_rank", dp_rank) != dp_rank:
             raise ValueError(f"optimizer state of data-parallel rank {state['dp_rank']} offered to dp rank "
-                             f"{self.ps.dp_rank}: a ZeRO shard belongs to its rank (resume with --no-load-optim)")
+                             f"{dp_rank}: a ZeRO shard belongs to its rank (resume with --no-load-optim)")
         self.inner.load_state_dict(state["optimizer"])
         separate = [m for m, alias in zip(self.masters, self.master_is_param) if not alias]
         for master, saved in zip(separate, state.get("masters") or []):

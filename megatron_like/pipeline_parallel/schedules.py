@@ -305,7 +305,9 @@ def _pipeline_p2p(model: list[nn.Module], seq_length: int | None, micro_batch_si
     chunk = model[0]
     if micro_batch_size is None:
         raise ValueError("pipelined schedules need micro_batch_size (the p2p tensor shape is [s, b, h])")
-    shape = pipeline_tensor_shape(seq_length or chunk.config.seq_length, micro_batch_size, chunk.config.hidden_size,
+    # A context-parallel rank holds s / cp of each sequence (model/context_parallel/layout.py).
+    local_seq_length = (seq_length or chunk.config.seq_length) // chunk.ps.cp_size
+    shape = pipeline_tensor_shape(local_seq_length, micro_batch_size, chunk.config.hidden_size,
                                   chunk.ps.tp_size, getattr(chunk, "sequence_parallel", False))
     dtype = next((p.dtype for p in chunk.parameters() if p.is_floating_point()), torch.float32)
     return PipelineP2P(chunk.ps, shape, dtype)

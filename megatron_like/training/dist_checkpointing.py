@@ -93,13 +93,15 @@ COMMON_FILE, DCP_METADATA = ckpt.DIST_COMMON_FILE, ckpt.DCP_METADATA
 iteration_dir, is_dist_checkpoint = ckpt.iteration_dir, ckpt.is_dist_checkpoint
 
 
-def _rng_key(tp_rank: int, pp_rank: int, dp_rank: int) -> str:
-    return f"rng.tp{tp_rank}.pp{pp_rank}.dp{dp_rank}"
+def _rng_key(ps: ParallelState) -> str:
+    """This rank's RNG state's key (its cp rank only with context parallelism: older keys stay valid)."""
+    cp = f".cp{ps.cp_rank}" if ps.cp_size > 1 else ""
+    return f"rng.tp{ps.tp_rank}.pp{ps.pp_rank}.dp{ps.dp_rank}{cp}"
 
 
-def _layout(tp: int, pp: int, dp: int, ep: int) -> dict[str, int]:
+def _layout(ps: ParallelState) -> dict[str, int]:
     """``common.pt``'s ``layout``: RNG states are restored only at the same one."""
-    return {"tp": tp, "pp": pp, "dp": dp, "ep": ep}
+    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "ep": ps.ep_size, "cp": ps.cp_size}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -446,16 +448,16 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     if save_optim:
         pieces.update(optimizer_save_pieces(optimizer, model, ps))
     values: dict[str, Any] = {}
-    if ps.tp_rank == 0 and ps.dp_rank == 0:
+    if ps.tp_rank == 0 and ps.dp_cp_rank == 0:
         values.update({key: buffer.detach().cpu() for key, buffer in model_buffers(model).items()})
-    values[_rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)] = ckpt.rng_state()
+    values[_rng_key(ps)] = ckpt.rng_state()
     common = {
         "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "optimizer": {"step": optimizer_step(optimizer),
                       "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
         if save_optim else None,
-        "layout": _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size),
+        "layout": _layout(ps),
     }
 
     def write(state: dict[str, Any], group: comm.Group) -> None:
@@ -555,9 +557,10 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
                                                 with_moments)
         for key, entry in pieces.items():
             (second_read if key in state else state)[key] = entry
-    layout = {"ep": 1, **common.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
-    same_layout = layout == _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size)
-    rng_key = _rng_key(ps.tp_rank, ps.pp_rank, ps.dp_rank)
+    # Checkpoints from before expert / context parallelism: ep 1, cp 1.
+    layout = {"ep": 1, "cp": 1, **common.get("layout", {})}
+    same_layout = layout == _layout(ps)
+    rng_key = _rng_key(ps)
     load_rng = config.checkpoint.load_rng and not weights_only and same_layout and rng_key in metadata
     if load_rng:
         state[rng_key] = None
@@ -584,7 +587,7 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         ckpt.set_rng_state(state[rng_key])
     elif config.checkpoint.load_rng and ps.rank == 0 and not same_layout:
         print(f" > checkpoint saved at tp {layout.get('tp')} x pp {layout.get('pp')} x dp {layout.get('dp')} "
-              f"(ep {layout['ep']}): "
+              f"(ep {layout['ep']}, cp {layout['cp']}): "
               "its RNG states belong to that layout; the generators stay seeded from --seed", flush=True)
     return common["iteration"], common["consumed_samples"]
 

@@ -241,7 +241,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
     model = build_model_chunks(config, ps, model_provider)
-    if ps.dp_rank == 0:
+    if ps.dp_cp_rank == 0:  # one line per (tensor, pipeline) rank: cp ranks hold the same parameters
         n_params = sum(p.numel() for chunk in model for p in chunk.parameters())
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({ps.tp_rank}, "
               f"{ps.pp_rank}): {n_params}", flush=True)

@@ -64,8 +64,9 @@ def reduce_aux_losses(names: list[str], moe_layers: list[int], num_microbatches:
                       ps: ParallelState) -> dict[str, float]:
     """Each of ``names``: the mean over MoE layers, micro batches and data-parallel ranks (Megatron's log value).
 
-    Collective over the pipeline (stages hold different layers: summed) and data-parallel groups (averaged);
-    tensor-parallel ranks computed the same values. Every rank must call it with the same ``names``.
+    Collective over the pipeline (stages hold different layers: summed) and data-parallel x context-parallel groups
+    (averaged: a cp rank's loss is its share of the whole sequence's, see ``router.py``); tensor-parallel ranks
+    computed the same values. Every rank must call it with the same ``names``.
     """
     if not names:
         return {}
@@ -75,7 +76,7 @@ def reduce_aux_losses(names: list[str], moe_layers: list[int], num_microbatches:
         for layer, value in _tracked.get(name, {}).items():
             table[row, index[layer]] = value
     comm.all_reduce(table, ps.pp_group)
-    comm.all_reduce(table, ps.dp_group, op="avg")
+    comm.all_reduce(table, ps.dp_cp_group, op="avg")
     means = table.sum(dim=1) / (num_microbatches * len(moe_layers))
     reset_aux_losses()
     return dict(zip(names, means.tolist()))

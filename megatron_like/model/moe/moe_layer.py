@@ -51,7 +51,7 @@ class MoELayer(nn.Module):
         if ps.tp_size > 1 and not ps.experts_split_like_tp and not sequence_parallel:
             raise ValueError("an expert tp size other than tp needs sequence parallelism (see config.py)")
         num_local = config.num_experts // ps.ep_size
-        self.router = TopKRouter(config, layer, seed, dtype, ps.device)
+        self.router = TopKRouter(config, layer, seed, dtype, ps.device, cp_group=ps.cp_group)
         self.dispatcher = build_dispatcher(config.moe_token_dispatcher_type, config.num_experts, ps)
         sum_group = ps.etp_group if ps.experts_split_like_tp else None  # else the dispatcher sums over etp
         self.experts = GroupedExperts(config, layer, seed, num_local, ps.ep_rank * num_local, sum_group,

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_like import collectives as comm
 from megatron_like.config import ModelConfig
 from megatron_like.model.moe.aux_losses import attach_aux_loss, record_aux_loss
 from megatron_like.tensor_parallel import init_generator, mark_replicated, new_parameter, normal_init
@@ -69,10 +70,18 @@ def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> 
     return cost * row[:, None] * col[None, :]
 
 
-def switch_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """``E * sum_e f_e * P_e``: ``scores [T, E]`` softmax over all experts, ``routing_map [T, E]`` before dropping."""
+def switch_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
+                               cp_group: comm.Group = None) -> torch.Tensor:
+    """``E * sum_e f_e * P_e``: ``scores [T, E]`` softmax over all experts, ``routing_map [T, E]`` before dropping.
+
+    With context parallelism (``cp_group``) the counts ``f_e`` are the whole sequence's (summed over cp) and ``P_e``
+    this rank's: the loss is linear in ``P_e``, so the mean of the cp ranks' losses (the dp x cp gradient average
+    and the logged mean) is the whole sequence's loss.
+    """
     tokens, experts = scores.shape
-    fraction_routed = routing_map.sum(dim=0).float() / (tokens * topk)  # f_e, no gradient (a count)
+    counts = torch.cat([routing_map.sum(dim=0).float(), scores.new_full((1,), float(tokens))])
+    comm.all_reduce(counts, cp_group)
+    fraction_routed = counts[:-1] / (counts[-1] * topk)  # f_e, no gradient (a count)
     mean_prob = scores.mean(dim=0)  # P_e
     return experts * (fraction_routed * mean_prob).sum()
 
@@ -107,9 +116,9 @@ class TopKRouter(nn.Module):
     """Scores ``[T, h]`` tokens against E experts (weight ``[E, h]``, replicated over tp) and routes them."""
 
     def __init__(self, config: ModelConfig, layer: int, seed: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, cp_group: comm.Group = None) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer, self.cp_group = layer, cp_group
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
         self.pre_softmax = config.moe_router_pre_softmax
         self.balancing = config.moe_router_load_balancing_type
@@ -150,7 +159,7 @@ class TopKRouter(nn.Module):
         probs = torch.zeros_like(logits).scatter(1, indices, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
         if self.balancing == "aux_loss" and training:
-            loss = switch_load_balancing_loss(torch.softmax(logits, dim=-1), routing_map, self.topk)
+            loss = switch_load_balancing_loss(torch.softmax(logits, dim=-1), routing_map, self.topk, self.cp_group)
             self._record("load_balancing_loss", loss)
             if self.aux_loss_coeff > 0:
                 probs = attach_aux_loss(probs, self.aux_loss_coeff * loss)
