@@ -54,6 +54,11 @@ Pipeline schedules decide how many micro batches are alive on a rank: 1F1B keeps
 on rank ``p`` (its warmup plus one); the interleaved schedule keeps ``2 (pp - p - 1) + (vp - 1) pp + 1``
 model-chunk micro batches, each holding ``layers / (pp vp)`` layers.
 
+Context parallelism (``--context-parallel-size cp``, docs/context_parallel.md) gives each rank ``s / cp`` of
+every sequence: every term above counts ``s / cp`` tokens. Attention across the cp ranks runs the blockwise core,
+which keeps no ``[s, s]`` tensor, only the float32 log-sum-exp ``4 a (s / cp) b / tp``; ``all_gather`` also keeps
+the whole sequence's gathered K and V, ``2 (g / a) e s b h / tp``.
+
 The first stage adds the embedding output (and its dropout mask), the last stage the final LayerNorm
 input, the logits (e) and the cross entropy's fp32 exponentials ``[s, b, v / tp]``, alive for one micro
 batch and freed before the layers' backward starts. Recomputation needs workspace during backward: one
@@ -94,6 +99,11 @@ def element_bytes(config: Config) -> int:
     return 2 if (config.precision.fp16 or config.precision.bf16) else 4
 
 
+def local_seq_length(config: Config) -> int:
+    """Tokens of each sequence one rank holds: ``--seq-length / --context-parallel-size``."""
+    return config.model.seq_length // config.parallel.context_parallel_size
+
+
 def layer_activation_bytes(config: Config, recompute: str | None = None, device: str = "cuda") -> float:
     """Bytes one transformer layer keeps for one micro batch on one tp rank (no full recompute).
 
@@ -102,7 +112,7 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     fp32 softmax, fp32 dropout mask and fp32 dropout output, and fp32 copies of q and k (and v for 16-bit).
     """
     m, p = config.model, config.parallel
-    s, b, h, a = m.seq_length, config.training.micro_batch_size, m.hidden_size, m.num_attention_heads
+    s, b, h, a = local_seq_length(config), config.training.micro_batch_size, m.hidden_size, m.num_attention_heads
     tp, e = p.tensor_model_parallel_size, element_bytes(config)
     ffn_ratio, group_ratio = m.ffn_size / h, m.query_groups / a
     masks = 2 if m.hidden_dropout > 0 else 0
@@ -123,7 +133,11 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         replicated += moe_fraction * (moe_mlp_activation_bytes(config) - dense_mlp)
     core = 0.0
     attention_dropout = m.attention_dropout > 0
-    if recompute != "selective":
+    if p.context_parallel_size > 1:  # the blockwise core of every cp mode keeps only its log-sum-exp
+        core = 4 * a * s * b / tp
+        if p.cp_comm_type == "all_gather":
+            core += 2 * group_ratio * e * s * p.context_parallel_size * b * h / tp
+    elif recompute != "selective":
         if m.attention_core == "local":
             core = (e + (1 + e if attention_dropout else 0)) * a * s * s * b / tp
         elif device == "cpu" and attention_dropout:
@@ -137,7 +151,7 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
 def routed_pairs(config: Config) -> int:
     """(Token, expert) pairs one micro batch sends through the experts: ``T k``, capped by the capacity."""
     m = config.model
-    tokens, k, experts = m.seq_length * config.training.micro_batch_size, m.moe_router_topk, m.num_experts
+    tokens, k, experts = local_seq_length(config) * config.training.micro_batch_size, m.moe_router_topk, m.num_experts
     if m.moe_expert_capacity_factor is None:
         return tokens * k
     capacity = min(tokens, math.ceil(m.moe_expert_capacity_factor * tokens * k / experts))
@@ -147,7 +161,7 @@ def routed_pairs(config: Config) -> int:
 def moe_mlp_activation_bytes(config: Config) -> float:
     """Bytes one MoE layer's router, experts and shared expert keep for one micro batch on one rank."""
     m, p = config.model, config.parallel
-    s, b, h = m.seq_length, config.training.micro_batch_size, m.hidden_size
+    s, b, h = local_seq_length(config), config.training.micro_batch_size, m.hidden_size
     tp, e = p.tensor_model_parallel_size, element_bytes(config)
     tokens, pairs, experts = s * b, routed_pairs(config), m.num_experts
     mlp_matrices = 3 if m.swiglu else 2
@@ -179,7 +193,7 @@ def microbatches_alive(config: Config, pp_rank: int) -> float:
 def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, device: str = "cuda") -> ActivationBytes:
     """Peak activation bytes of a rank of pipeline stage ``pp_rank`` on ``device`` (module docstring)."""
     m, p = config.model, config.parallel
-    s, b, h = m.seq_length, config.training.micro_batch_size, m.hidden_size
+    s, b, h = local_seq_length(config), config.training.micro_batch_size, m.hidden_size
     tp, pp, e = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, element_bytes(config)
     sp_div = tp if p.sequence_parallel else 1
     stage_layers = m.num_layers // pp

@@ -166,7 +166,7 @@ def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -
     (the next one is prefetched while one computes).
     """
     p = config.parallel
-    if p.zero_stage < 2 or config.data_parallel_size == 1:
+    if p.zero_stage < 2 or config.data_parallel_size * p.context_parallel_size == 1:
         return 0.0
     layers_in_flight = 2 if p.overlap_grad_reduce else 1
     grads = 4.0 * (stage.root_unit + layers_in_flight * stage.layer_unit)
@@ -176,9 +176,10 @@ def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -
 
 
 def state_bytes(config: Config, stage: StageParams, param_bytes: int, separate_master: bool) -> StateBytes:
-    """Weights, gradients and optimizer state of one rank: dense parameters ZeRO-sharded over dp, the rank's
-    expert slices over the expert-data-parallel group (``tp dp / (etp ep)`` ranks holding the same ones)."""
-    p, dp = config.parallel, config.data_parallel_size
+    """Weights, gradients and optimizer state of one rank: dense parameters ZeRO-sharded over dp x cp, the rank's
+    expert slices over the expert-data-parallel group (``tp cp dp / (etp ep)`` ranks holding the same ones)."""
+    p = config.parallel
+    dp = config.data_parallel_size * p.context_parallel_size  # the ranks holding the same parameters
     dense = theoretical_state_bytes(stage.total - stage.expert, dp, p.zero_stage, param_bytes, separate_master)
     experts = theoretical_state_bytes(stage.expert, expert_layout(config)[2], p.zero_stage, param_bytes,
                                       separate_master)
@@ -194,11 +195,11 @@ def stage_moe_layers(config: Config, pp_rank: int) -> int:
 
 
 def expert_layout(config: Config) -> tuple[int, int, int]:
-    """``(etp, ep, expert_dp)``: the experts' layout over the ``tp x dp`` ranks of a stage (docs/moe.md)."""
+    """``(etp, ep, expert_dp)``: the experts' layout over the ``tp x cp x dp`` ranks of a stage (docs/moe.md)."""
     p = config.parallel
     tp, ep = p.tensor_model_parallel_size, p.expert_model_parallel_size
     etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
-    return etp, ep, tp * config.data_parallel_size // (etp * ep)
+    return etp, ep, tp * p.context_parallel_size * config.data_parallel_size // (etp * ep)
 
 
 def expert_parallel_bytes(config: Config, pp_rank: int) -> float:
@@ -230,7 +231,8 @@ def expert_parallel_bytes(config: Config, pp_rank: int) -> float:
         return 0.0
     from megatron_like.planning.activations import element_bytes
 
-    tokens, h, e, experts, k = (m.seq_length * config.training.micro_batch_size, m.hidden_size,
+    local_seq_length = m.seq_length // p.context_parallel_size
+    tokens, h, e, experts, k = (local_seq_length * config.training.micro_batch_size, m.hidden_size,
                                 element_bytes(config), m.num_experts, m.moe_router_topk)
     if own_tokens:
         tokens //= p.tensor_model_parallel_size
@@ -281,7 +283,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
         ))
     single = copy.deepcopy(config)
     single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
-    single.parallel.expert_model_parallel_size = 1
+    single.parallel.expert_model_parallel_size = single.parallel.context_parallel_size = 1
     single.parallel.expert_tensor_parallel_size = None
     single.parallel.num_layers_per_virtual_pipeline_stage = None
     single.world_size = 1
@@ -315,7 +317,8 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
     active = f" (active per token: {plan.active_params / 1e9:.3f} B)" if plan.active_params != plan.total_params else ""
     lines = [
         f" > plan: world {c.world_size} = tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size}"
-        f" x dp {c.data_parallel_size} (vp {c.virtual_pipeline_size}){experts}, zero stage {p.zero_stage}, "
+        + (f" x cp {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")
+        + f" x dp {c.data_parallel_size} (vp {c.virtual_pipeline_size}){experts}, zero stage {p.zero_stage}, "
         f"{c.params_dtype_name}, sequence parallel {p.sequence_parallel}, recompute "
         f"{c.model.recompute_granularity or 'none'}, micro batches {c.num_microbatches} x "
         f"{c.training.micro_batch_size}",
