@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron_like.config import ParallelConfig
-from megatron_like.model.context_parallel import Ring, context_parallel_attention, cp_positions
+from megatron_like.model.context_parallel import Ring, context_parallel_attention, cp_positions, sequence_mean_loss
 from megatron_like.model.context_parallel.layout import split_for_context_parallel
 from megatron_like.model.context_parallel.ring import ring_step_tiles
 from megatron_like.parallel_state import ParallelState
@@ -97,7 +97,25 @@ def cp_attention_on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Te
             out = context_parallel_attention(q, k, v, ps, window_left=window_left, causal=causal)
             out.backward(grad_out)
             results[f"{mode}/{case}"] = [out.detach(), q.grad, k.grad, v.grad]
+    results["loss"] = sequence_loss_on_rank(ps)
     return results
+
+
+def loss_inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses ``[b, s]`` and a loss mask that masks every token of cp rank 0 and some of the others."""
+    per_token = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    mask = (torch.arange(SEQ) % 3 != 0).to(torch.float64).expand(BATCH, SEQ).clone()
+    mask[:, cp_positions(SEQ, cp, 0)] = 0.0
+    return per_token, mask
+
+
+def sequence_loss_on_rank(ps: ParallelState) -> list[torch.Tensor]:
+    """The reported loss and the gradient of the backpropagated one, divided by cp (the dp x cp average)."""
+    per_token, mask = (split_for_context_parallel(t, ps.cp_size, ps.cp_rank) for t in loss_inputs(ps.cp_size))
+    per_token.requires_grad_()
+    loss, reported = sequence_mean_loss(per_token, mask, ps)
+    loss.backward()
+    return [reported, per_token.grad / ps.cp_size]
 
 
 DROPOUT = 0.3
@@ -169,6 +187,20 @@ def test_context_parallel_attention_equals_single_process(cp: int, mode: str, ca
     if CASES[case][4] is not None:  # the masked rank's queries get no gradient, its keys and values do
         masked = runs(cp)[CASES[case][4]][f"{mode}/{case}"]
         assert masked[1].abs().max() == 0 and masked[2].abs().max() > 0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_loss_is_the_mean_over_the_whole_sequence(cp: int) -> None:
+    """Not a mean of per-rank means (the ranks hold different numbers of unmasked tokens; rank 0 none)."""
+    per_token, mask = (t.clone() for t in loss_inputs(cp))
+    per_token.requires_grad_()
+    expected = (per_token * mask).sum() / mask.sum()
+    expected.backward()
+    for rank, per_rank in enumerate(runs(cp)):
+        reported, grad = per_rank["loss"]
+        torch.testing.assert_close(reported, expected.detach(), rtol=1e-6, atol=0, check_dtype=False)  # summed in float32
+        torch.testing.assert_close(grad, split_for_context_parallel(per_token.grad, cp, rank), rtol=1e-6, atol=0,
+                                   check_dtype=False)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
