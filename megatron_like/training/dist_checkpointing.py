@@ -99,9 +99,13 @@ def _rng_key(ps: ParallelState) -> str:
     return f"rng.tp{ps.tp_rank}.pp{ps.pp_rank}.dp{ps.dp_rank}{cp}"
 
 
-def _layout(ps: ParallelState) -> dict[str, int]:
+def _layout(tp: int, pp: int, dp: int, ep: int, cp: int = 1) -> dict[str, int]:
     """``common.pt``'s ``layout``: RNG states are restored only at the same one."""
-    return {"tp": ps.tp_size, "pp": ps.pp_size, "dp": ps.dp_size, "ep": ps.ep_size, "cp": ps.cp_size}
+    return {"tp": tp, "pp": pp, "dp": dp, "ep": ep, "cp": cp}
+
+
+def _layout_of(ps: ParallelState) -> dict[str, int]:
+    return _layout(ps.tp_size, ps.pp_size, ps.dp_size, ps.ep_size, ps.cp_size)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -457,7 +461,7 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         "optimizer": {"step": optimizer_step(optimizer),
                       "loss_scaler": optimizer.scaler.state_dict() if optimizer.scaler is not None else None}
         if save_optim else None,
-        "layout": _layout(ps),
+        "layout": _layout_of(ps),
     }
 
     def write(state: dict[str, Any], group: comm.Group) -> None:
@@ -559,7 +563,7 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
             (second_read if key in state else state)[key] = entry
     # Checkpoints from before expert / context parallelism: ep 1, cp 1.
     layout = {"ep": 1, "cp": 1, **common.get("layout", {})}
-    same_layout = layout == _layout(ps)
+    same_layout = layout == _layout_of(ps)
     rng_key = _rng_key(ps)
     load_rng = config.checkpoint.load_rng and not weights_only and same_layout and rng_key in metadata
     if load_rng:

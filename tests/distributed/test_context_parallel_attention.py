@@ -198,7 +198,8 @@ def test_loss_is_the_mean_over_the_whole_sequence(cp: int) -> None:
     expected.backward()
     for rank, per_rank in enumerate(runs(cp)):
         reported, grad = per_rank["loss"]
-        torch.testing.assert_close(reported, expected.detach(), rtol=1e-6, atol=0, check_dtype=False)  # summed in float32
+        # float32 sums, as the single-process loss_func's
+        torch.testing.assert_close(reported, expected.detach(), rtol=1e-6, atol=0, check_dtype=False)
         torch.testing.assert_close(grad, split_for_context_parallel(per_token.grad, cp, rank), rtol=1e-6, atol=0,
                                    check_dtype=False)
 
