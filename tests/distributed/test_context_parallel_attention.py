@@ -1,5 +1,6 @@
 """Attention across context-parallel ranks equals single-process attention, in float64: every --cp-comm-type at
-cp 2 and 4, causal, grouped-query, sliding-window and bidirectional attention, and a cp rank whose tokens are all
+cp 2 and 4, causal, grouped-query, sliding-window and bidirectional attention, packed documents (with GQA and a
+window; documents cut by the chunk boundaries, one of a single token), and a cp rank whose tokens are all
 masked out of the loss (its queries get no gradient; its keys and values still serve the others). Forward output
 and the gradients of q, k and v are compared on every rank with a dense masked softmax written out here.
 
@@ -32,28 +33,41 @@ SEQ, BATCH, HEAD_DIM = 16, 2, 4
 MODES = {2: ["p2p", "all_gather", "a2a", "a2a+p2p"], 4: ["p2p", "all_gather", "a2a", "a2a+p2p"]}
 HIERARCHY = {2: [1, 2], 4: [2, 2]}  # a2a+p2p: all-to-all size, ring size
 CASES = {
-    # name: (query heads, key/value heads, window_left, causal, cp rank whose loss is all masked)
-    "causal": (4, 4, None, True, None),
-    "gqa": (8, 4, None, True, None),
-    "window": (4, 4, 4, True, None),
-    "bidirectional": (4, 4, None, False, None),
-    "masked-rank": (4, 4, None, True, 0),
+    # name: (query heads, key/value heads, window_left, causal, cp rank whose loss is all masked, packed documents)
+    "causal": (4, 4, None, True, None, False),
+    "gqa": (8, 4, None, True, None, False),
+    "window": (4, 4, 4, True, None, False),
+    "bidirectional": (4, 4, None, False, None, False),
+    "masked-rank": (4, 4, None, True, 0, False),
+    "documents-gqa-window": (8, 4, 6, True, None, True),
 }
+# Packed documents: per sample, the positions where a new document starts (sample 1: a one-token document).
+DOCUMENT_STARTS = [(5, 11), (3, 4, 13)]
+
+
+def document_ids() -> torch.Tensor:
+    """int64 ``[b, s]``: the document of each token (its count of document starts up to it)."""
+    starts = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    for sample, positions in enumerate(DOCUMENT_STARTS):
+        starts[sample, list(positions)] = 1
+    return starts.cumsum(dim=1)
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int | None,
-                    causal: bool) -> torch.Tensor:
+                    causal: bool, documents: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v over the whole sequence: q ``[b, hq, s, d]``, k, v ``[b, hkv, s, d]``."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     position = torch.arange(q.shape[2])
     distance = position[:, None] - position[None, :]
-    allowed = torch.ones_like(distance, dtype=torch.bool)
+    allowed = torch.ones_like(distance, dtype=torch.bool).expand(q.shape[0], 1, -1, -1)
     if causal:
-        allowed &= distance >= 0
+        allowed = allowed & (distance >= 0)
     if window_left is not None:
-        allowed &= distance <= window_left
+        allowed = allowed & (distance <= window_left)
+    if documents is not None:
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
@@ -71,10 +85,10 @@ def inputs(hq: int, hkv: int, masked_rank: int | None, cp: int) -> list[torch.Te
 
 def reference(case: str, cp: int) -> tuple[torch.Tensor, ...]:
     """Single-process output and q, k, v gradients ``[b, h, s, d]``."""
-    hq, hkv, window_left, causal, masked_rank = CASES[case]
+    hq, hkv, window_left, causal, masked_rank, documents = CASES[case]
     q, k, v, grad_out = inputs(hq, hkv, masked_rank, cp)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = dense_attention(q, k, v, window_left, causal)
+    out = dense_attention(q, k, v, window_left, causal, document_ids() if documents else None)
     out.backward(grad_out)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -90,11 +104,13 @@ def cp_attention_on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Te
                                   hierarchical_context_parallel_sizes=hierarchy)
         ps = ParallelState.initialize(parallel, world_size)
         assert dist.is_initialized() and ps.cp_rank == rank
-        for case, (hq, hkv, window_left, causal, masked_rank) in CASES.items():
+        for case, (hq, hkv, window_left, causal, masked_rank, documents) in CASES.items():
             q, k, v, grad_out = (split_for_context_parallel(t, world_size, rank, dim=2)
                                  for t in inputs(hq, hkv, masked_rank, world_size))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = context_parallel_attention(q, k, v, ps, window_left=window_left, causal=causal)
+            local_documents = split_for_context_parallel(document_ids(), world_size, rank) if documents else None
+            out = context_parallel_attention(q, k, v, ps, window_left=window_left, causal=causal,
+                                             document_ids=local_documents)
             out.backward(grad_out)
             results[f"{mode}/{case}"] = [out.detach(), q.grad, k.grad, v.grad]
     results["loss"] = sequence_loss_on_rank(ps)

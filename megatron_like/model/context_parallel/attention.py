@@ -12,19 +12,19 @@ returns the attention output of its queries over the whole sequence's keys, ``[b
 * ``a2a+p2p``: the all-to-all inside groups of ``--hierarchical-context-parallel-sizes``' first size, then a ring
   across those groups (Megatron's hierarchical cp): the all-to-all's bandwidth inside a node, the ring across.
 
-Masking always uses global positions, so every mode computes exactly single-process causal (or sliding-window)
-attention. With attention dropout (``dropout_p > 0``), the all-gather and all-to-all modes attend with PyTorch's
-SDPA over the positional mask (the blockwise core has no dropout); the ring applies its own dropout masks
-(``ring.py``).
+Every mode runs the blockwise core (``model/blockwise_attention.py``) on global positions and document ids, so it
+computes exactly single-process causal, sliding-window or packed-document attention and skips the masked tiles
+(tiles are the ``2 cp`` chunks). Attention dropout drops a pair by a hash of one seed and the pair, so the masks do
+not depend on which step or rank computes it (the all-to-all modes number heads locally, so their masks differ from
+one process's, as tensor parallelism's do).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from megatron_like import collectives as comm
-from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
+from megatron_like.model.blockwise_attention import blockwise_attention
 from megatron_like.model.context_parallel.layout import cp_positions
 from megatron_like.model.context_parallel.ring import Ring, ring_attention
 from megatron_like.parallel_state import ParallelState
@@ -82,45 +82,46 @@ class _SequenceToHeads(torch.autograd.Function):
         return (sequence_to_heads if ctx.inverse else heads_to_sequence)(grad.contiguous(), ctx.group), None, None
 
 
-def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     k_positions: torch.Tensor, tile: int, window_left: int | None, causal: bool, dropout_p: float,
-                     softmax_scale: float | None) -> torch.Tensor:
-    """Attention of q over k, v at these global positions: the blockwise core (skipping masked tiles), or SDPA
-    over the positional mask when attention dropout is on."""
-    if dropout_p == 0.0:
-        return blockwise_attention(q, k, v, q_positions=q_positions, k_positions=k_positions, window_left=window_left,
-                                   causal=causal, softmax_scale=softmax_scale, block_size=tile)[0]
-    allowed = allowed_pairs(q_positions, k_positions, None, None, window_left, causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=None if allowed is None else allowed[0],
-                                          dropout_p=dropout_p, scale=softmax_scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
 def _group_positions(seq_length: int, cp_size: int, cp_ranks: range, device: torch.device) -> torch.Tensor:
     """Global positions of the tokens of these cp ranks, concatenated in their order."""
     return torch.cat([cp_positions(seq_length, cp_size, r, device) for r in cp_ranks])
 
 
+def _member_documents(every: torch.Tensor | None, cp_size: int, members: int) -> list[torch.Tensor] | None:
+    """Split the cp ranks' document ids ``[b, s]`` (concatenated in cp rank order) into ``members`` consecutive
+    groups of cp ranks (the ring members of a2a+p2p; one per cp rank for p2p)."""
+    return None if every is None else list(every.chunk(members, dim=1))
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ps: ParallelState, *,
                                window_left: int | None = None, causal: bool = True, dropout_p: float = 0.0,
-                               softmax_scale: float | None = None) -> torch.Tensor:
+                               softmax_scale: float | None = None, document_ids: torch.Tensor | None = None
+                               ) -> torch.Tensor:
     """This cp rank's attention output ``[b, hq, s / cp, d]`` over the whole sequence, by ``ps.cp_comm_type``.
 
-    q ``[b, hq, s / cp, d]``, k and v ``[b, hkv, s / cp, d]``: this rank's two sequence chunks (``layout.py``).
+    q ``[b, hq, s / cp, d]``, k and v ``[b, hkv, s / cp, d]``: this rank's two sequence chunks (``layout.py``);
+    ``document_ids`` int64 ``[b, s / cp]`` of the same tokens (packed documents; None: one sequence per sample).
+    With ``dropout_p`` the seed is drawn from the caller's RNG stream (the same on the cp ranks of one tp rank).
     """
     cp, mode = ps.cp_size, ps.cp_comm_type
     seq_length = q.shape[2] * cp
     tile = seq_length // (2 * cp)
     device = q.device
     mine = cp_positions(seq_length, cp, ps.cp_rank, device)
+    every = _group_positions(seq_length, cp, range(cp), device)
+    # Document ids are small ([b, s] int64): every rank gathers them all once, in cp rank order like `every`.
+    all_documents = None if document_ids is None else comm.all_gather_along_dim(document_ids, ps.cp_group, dim=1)
+    seed = int(torch.randint(0, 1 << 62, (1,), device=device)) if dropout_p > 0 else 0
+    options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                   dropout_seed=seed, block_size=tile)
     if mode == "all_gather":
         k_all, v_all = _GatherSequence.apply(k, ps.cp_group), _GatherSequence.apply(v, ps.cp_group)
-        every = _group_positions(seq_length, cp, range(cp), device)
-        return _local_attention(q, k_all, v_all, mine, every, tile, window_left, causal, dropout_p, softmax_scale)
+        return blockwise_attention(q, k_all, v_all, q_positions=mine, k_positions=every, q_documents=document_ids,
+                                   k_documents=all_documents, **options)[0]
     if mode == "a2a":
-        every = _group_positions(seq_length, cp, range(cp), device)
         q, k, v = (_SequenceToHeads.apply(t, ps.cp_group, False) for t in (q, k, v))
-        out = _local_attention(q, k, v, every, every, tile, window_left, causal, dropout_p, softmax_scale)
+        out = blockwise_attention(q, k, v, q_positions=every, k_positions=every, q_documents=all_documents,
+                                  k_documents=all_documents, **options)[0]
         return _SequenceToHeads.apply(out, ps.cp_group, True)
     if mode in ("p2p", "a2a+p2p"):
         a2a_group = ps.cp_a2a_group if mode == "a2a+p2p" else None
@@ -131,10 +132,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ring = Ring(
             global_ranks=ps.cp_ring_global_ranks if mode == "a2a+p2p" else ps.cp_global_ranks,
             index=ps.cp_rank // a2a,
-            positions=[_group_positions(seq_length, cp, range(m * a2a, (m + 1) * a2a), device) for m in range(members)],
+            positions=list(every.chunk(members)),
             tile=tile,
+            documents=_member_documents(all_documents, cp, members),
         )
         out = ring_attention(q, k, v, ring, window_left=window_left, causal=causal, softmax_scale=softmax_scale,
-                             dropout_p=dropout_p)
+                             dropout_p=dropout_p, dropout_seed=seed)
         return _SequenceToHeads.apply(out, a2a_group, True) if a2a > 1 else out
     raise ValueError(f"unknown --cp-comm-type {mode!r}")

@@ -46,11 +46,13 @@ def split_for_context_parallel(tensor: torch.Tensor, cp_size: int, cp_rank: int,
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-def split_batch(batch: dict[str, torch.Tensor], ps: ParallelState) -> dict[str, torch.Tensor]:
-    """Every ``[b, s]`` tensor of a GPT batch cut to this cp rank's ``[b, s / cp]`` (the same for all of them)."""
+def split_batch(batch: dict[str, torch.Tensor | None], ps: ParallelState) -> dict[str, torch.Tensor | None]:
+    """Every ``[b, s]`` tensor of a GPT batch cut to this cp rank's ``[b, s / cp]`` (the same cut for all of them;
+    None values stay None)."""
     if ps.cp_size == 1:
         return batch
-    return {name: split_for_context_parallel(value, ps.cp_size, ps.cp_rank, dim=1) for name, value in batch.items()}
+    return {name: None if value is None else split_for_context_parallel(value, ps.cp_size, ps.cp_rank, dim=1)
+            for name, value in batch.items()}
 
 
 def sequence_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor, ps: ParallelState
