@@ -25,8 +25,6 @@ from megatron_like.training.checkpoint_validation import exit_on_checkpoint_erro
 from megatron_like.training.loop import check_supported
 from megatron_like.training.preflight import check_data_prefixes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def vocab_and_eod(config: Config) -> tuple[int, int | None]:
     """Unpadded vocabulary size and end-of-document id (mock data: --vocab-size and no eod)."""
@@ -46,7 +44,7 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     model = GPTModel(
         config.model, ps, vocab_size=padded_vocab_size, seed=config.training.seed, layers=layers,
         pre_process=pre_process, post_process=post_process,
-        sequence_parallel=config.parallel.sequence_parallel, dtype=DTYPES[config.params_dtype_name],
+        sequence_parallel=config.parallel.sequence_parallel, dtype=getattr(torch, config.params_dtype_name),
     )
     if config.model.qat:
         from megatron_like.quantization import insert_fake_quant

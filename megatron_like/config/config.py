@@ -64,6 +64,7 @@ class Config:
 
     @property
     def params_dtype_name(self) -> str:
+        """The parameters' dtype as torch names it (`getattr(torch, name)` is the dtype; config imports no torch)."""
         if self.precision.fp16:
             return "float16"
         if self.precision.bf16:

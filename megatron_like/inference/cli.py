@@ -17,8 +17,6 @@ from megatron_like.config import Config, ConfigError, build_parser, config_from_
 from megatron_like.inference.loading import InferenceModel, load_inference_model
 from megatron_like.parallel_state import ParallelState
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def inference_parser(description: str) -> argparse.ArgumentParser:
     """``build_parser()`` with this tool's description (tools add a group of their own flags)."""
@@ -60,7 +58,7 @@ def setup(config: Config, data_parallel: bool = False) -> ParallelState:
 def load(config: Config, ps: ParallelState, iteration: int | None = None) -> InferenceModel:
     """This rank's chunk of the checkpoint ``--load`` in the layout of ``ps``."""
     return load_inference_model(config.checkpoint.load, ps, cli_data=config.data, iteration=iteration,
-                                dtype=DTYPES[config.params_dtype_name])
+                                dtype=getattr(torch, config.params_dtype_name))
 
 
 def fail(message: str, code: int = 2) -> None:
