@@ -72,7 +72,7 @@ S = 13
 DOCS = documents_of([[5, 1, 7], [2, 9, 2]], S)  # a one-token document; boundaries differ per sample
 CASES = {
     "causal": dict(),
-    "window": dict(window_left=3),
+    "window": dict(window_left=5),  # with blocks of 4, query 8's oldest key (3) is the last of an earlier block
     "documents": dict(q_documents=DOCS),
     "window_documents": dict(window_left=4, q_documents=DOCS),
     "bidirectional_documents": dict(causal=False, q_documents=DOCS),
@@ -156,7 +156,8 @@ def test_ring_contract_blocks_merge_and_gradients_sum(case):
 
 def test_plan_skips_the_tiles_without_an_allowed_pair():
     """Compute follows the allowed pairs: 8 blocks of 8 tokens; causal keeps the 36 tiles on and below the diagonal,
-    a window of 8 keys only the diagonal and the block before it, documents of 16 tokens only their own tiles."""
+    a window of 8 keys only the diagonal and the block before it (10 keys: and the last key of the block before
+    that), documents of 16 tokens only their own tiles."""
     s, block = 64, 8
     positions = torch.arange(s)
 
@@ -167,6 +168,7 @@ def test_plan_skips_the_tiles_without_an_allowed_pair():
 
     assert tiles() == 8 * 9 // 2
     assert tiles(window_left=7) == 8 + 7
+    assert tiles(window_left=9) == 8 + 7 + 6
     documents = (positions // 16).expand(B, s)
     assert tiles(q_documents=documents, k_documents=documents) == 4 * 3
     assert tiles(causal=False) == 64
