@@ -1,0 +1,275 @@
+"""Blockwise attention: online softmax over key blocks, skipping the blocks that no query may see.
+
+One core serves three callers: the sliding window (``--window-size``), packed documents
+(``--reset-attention-mask``) and context parallelism's ring steps. Which query may see which key is computed from
+token positions and document ids, never from an ``[s, s]`` mask, so a block pair is skipped when no pair in it is
+allowed and compute follows the allowed pairs: a window of w over s tokens costs about ``s * w``, documents of
+length L about ``s * L``.
+
+The three primitives work on one (query block, key block) pair and are what a ring step calls:
+
+- :func:`attention_block_forward` returns the block's softmax-normalised output and its log-sum-exp (lse);
+- :func:`merge_partials` merges two such partial results (the log-sum-exp rescale of flash-attention);
+- :func:`attention_block_backward` returns one block pair's share of dq, dk, dv given the *merged* (global)
+  output and lse (flash-attention's backward: ``D = rowsum(dO * O)``, ``P = exp(S - lse)``,
+  ``dS = P * (dP - D)``), so a ring sums the shares of every block pair.
+
+:func:`blockwise_attention` is the single-process attention built from them (an autograd Function that tiles the
+queries and keys and loops over the allowed tiles). Everything here runs in plain PyTorch matmuls; half-precision
+inputs are computed in float32.
+
+The allowed pairs: key ``j`` is visible to query ``i`` when ``k_pos[j] <= q_pos[i]`` (``causal``),
+``k_pos[j] >= q_pos[i] - window_left`` (a window: the query and the ``window_left`` keys before it, flash-attention's
+``window_size=(window_left, 0)``; ``--window-size`` LEFT), and ``k_doc[b, j] == q_doc[b, i]`` (documents).
+A query with no visible key gets output 0 and lse ``-inf`` (never NaN); its gradients are 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NEG_INF = float("-inf")
+DEFAULT_BLOCK_SIZE = 256
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the scores, softmax and lse are computed in: float32 for half types, else ``dtype`` itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def allowed_pairs(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: torch.Tensor | None,
+                  k_documents: torch.Tensor | None, window_left: int | None, causal: bool) -> torch.Tensor | None:
+    """bool ``[b or 1, sq, sk]`` (True = the query may see the key), or None when every pair is allowed.
+
+    ``q_positions`` ``[sq]``, ``k_positions`` ``[sk]`` int64 global token positions; ``q_documents`` ``[b, sq]``,
+    ``k_documents`` ``[b, sk]`` int64 document ids or None.
+    """
+    allowed = None
+    if causal or window_left is not None:
+        distance = q_positions[:, None] - k_positions[None, :]  # (sq, sk): how far back the key is
+        if causal:
+            allowed = distance >= 0
+        if window_left is not None:
+            inside = distance <= window_left
+            allowed = inside if allowed is None else allowed & inside
+        allowed = allowed.unsqueeze(0)
+    if q_documents is not None:
+        same_document = q_documents[:, :, None] == k_documents[:, None, :]  # (b, sq, sk)
+        allowed = same_document if allowed is None else allowed & same_document
+    if allowed is not None and bool(allowed.all()):
+        return None
+    return allowed
+
+
+def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q ``[b, hq, s, d]`` -> ``[b, hkv, hq / hkv, s, d]``: the query heads that share each key/value head."""
+    b, hq, s, d = q.shape
+    if hq % hkv != 0:
+        raise ValueError(f"{hq} query heads are not a multiple of {hkv} key/value heads")
+    return q.view(b, hkv, hq // hkv, s, d)
+
+
+def _block_scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Masked scaled scores ``[b, hkv, g, sq, sk]`` in the compute dtype (-inf where not allowed)."""
+    dtype = compute_dtype(q.dtype)
+    qg = _grouped(q.to(dtype), k.shape[1])
+    scores = torch.matmul(qg, k.to(dtype).unsqueeze(2).transpose(-1, -2)) * scale
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows with no visible key) replaced by 0, so ``exp(-inf - lse)`` is 0, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                            k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
+                            k_documents: torch.Tensor | None = None, window_left: int | None = None,
+                            causal: bool = True, softmax_scale: float | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block over one key block: ``(out, lse)``.
+
+    q ``[b, hq, sq, d]``, k and v ``[b, hkv, sk, d]`` (grouped-query attention: hq a multiple of hkv, query head
+    ``h`` reads key/value head ``h // (hq / hkv)``). Returns out ``[b, hq, sq, d]`` in q's dtype (the softmax over
+    this block's keys only) and lse ``[b, hq, sq]`` in float32 (float64 for float64 inputs); rows with no visible
+    key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`.
+    """
+    b, hq, sq, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    allowed = allowed_pairs(q_positions, k_positions, q_documents, k_documents, window_left, causal)
+    scores = _block_scores(q, k, allowed, scale)  # (b, hkv, g, sq, sk)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf on rows with no visible key
+    probs = torch.exp(scores - _finite(lse)[..., None])
+    out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))  # (b, hkv, g, sq, d)
+    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions of the same queries over disjoint key sets: ``(out, lse)``.
+
+    out ``[b, h, s, d]``, lse ``[b, h, s]``. Each partial output is weighted by ``exp(lse_part - lse)``, its share of
+    the merged softmax denominator; rows where both lse are -inf stay out 0, lse -inf. The output has out_a's dtype
+    and is combined in lse's dtype.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = _finite(lse)
+    weight_a = torch.exp(lse_a - finite)[..., None]
+    weight_b = torch.exp(lse_b - finite)[..., None]
+    out = weight_a * out_a.to(lse.dtype) + weight_b * out_b.to(lse.dtype)
+    return out.to(out_a.dtype), lse
+
+
+def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, grad_out: torch.Tensor, *, q_positions: torch.Tensor,
+                             k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
+                             k_documents: torch.Tensor | None = None, window_left: int | None = None,
+                             causal: bool = True, softmax_scale: float | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block pair's share of the attention gradients: ``(dq, dk, dv)``.
+
+    ``out`` ``[b, hq, sq, d]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
+    ``grad_out`` its gradient; the other arguments are as in :func:`attention_block_forward`. Summing the shares over
+    every key block gives the exact gradients. Returns dq ``[b, hq, sq, d]``, dk and dv ``[b, hkv, sk, d]`` in the
+    compute dtype (float32 for half inputs), so sums over blocks keep their precision; cast after summing.
+    """
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    dtype = compute_dtype(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    allowed = allowed_pairs(q_positions, k_positions, q_documents, k_documents, window_left, causal)
+    scores = _block_scores(q, k, allowed, scale)  # (b, hkv, g, sq, sk)
+    lse_g = _grouped(_finite(lse.to(dtype)).unsqueeze(-1), hkv)  # (b, hkv, g, sq, 1)
+    probs = torch.exp(scores - lse_g)  # the merged softmax's probabilities of this block's keys
+    grad_out_g = _grouped(grad_out.to(dtype), hkv)
+    delta = (grad_out_g * _grouped(out.to(dtype), hkv)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
+    v_c = v.to(dtype).unsqueeze(2)
+    grad_probs = torch.matmul(grad_out_g, v_c.transpose(-1, -2))  # dP (b, hkv, g, sq, sk)
+    grad_scores = probs * (grad_probs - delta) * scale  # dS, with the softmax scale folded in
+    dq = torch.matmul(grad_scores, k.to(dtype).unsqueeze(2)).reshape(b, hq, sq, d)
+    dk = torch.matmul(grad_scores.transpose(-1, -2), _grouped(q.to(dtype), hkv)).sum(2)
+    dv = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
+    return dq, dk, dv
+
+
+def block_plan(q_positions: torch.Tensor, k_positions: torch.Tensor, q_documents: torch.Tensor | None,
+               k_documents: torch.Tensor | None, window_left: int | None, causal: bool, block_q: int, block_k: int
+               ) -> list[tuple[slice, list[slice]]]:
+    """The tiles worth computing: for each query block, the key blocks that may hold an allowed pair.
+
+    A key block is skipped when its smallest position is after the query block's largest (causal), its largest
+    is before the query block's smallest minus ``window_left`` (window), or, in every sample, the document-id
+    ranges of the two blocks do not meet. These bounds are necessary conditions only, so a kept tile may still
+    hold no allowed pair (its rows then merge as -inf, a no-op); no tile with an allowed pair is ever skipped.
+    """
+    sq, sk = q_positions.shape[0], k_positions.shape[0]
+    q_starts, k_starts = range(0, sq, block_q), range(0, sk, block_k)
+
+    def block_bounds(values: torch.Tensor, starts: range, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Min and max of ``values`` ``[..., s]`` over each block: two ``[..., blocks]`` tensors."""
+        blocks = [values[..., start:start + size] for start in starts]
+        return (torch.stack([blk.amin(-1) for blk in blocks], -1), torch.stack([blk.amax(-1) for blk in blocks], -1))
+
+    q_lo, q_hi = block_bounds(q_positions, q_starts, block_q)
+    k_lo, k_hi = block_bounds(k_positions, k_starts, block_k)
+    keep = torch.ones(len(q_starts), len(k_starts), dtype=torch.bool, device=q_positions.device)
+    if causal:
+        keep &= k_lo[None, :] <= q_hi[:, None]
+    if window_left is not None:
+        keep &= k_hi[None, :] >= q_lo[:, None] - window_left
+    if q_documents is not None:
+        qd_lo, qd_hi = block_bounds(q_documents, q_starts, block_q)  # (b, q blocks)
+        kd_lo, kd_hi = block_bounds(k_documents, k_starts, block_k)  # (b, k blocks)
+        meet = (kd_lo[:, None, :] <= qd_hi[:, :, None]) & (kd_hi[:, None, :] >= qd_lo[:, :, None])
+        keep &= meet.any(0)
+    keep = keep.tolist()
+    return [
+        (slice(q_start, q_start + block_q),
+         [slice(k_start, k_start + block_k) for kb, k_start in enumerate(k_starts) if keep[qb][kb]])
+        for qb, q_start in enumerate(q_starts)
+    ]
+
+
+def _tile_masking(q_slice: slice, k_slice: slice, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                  q_documents: torch.Tensor | None, k_documents: torch.Tensor | None) -> dict:
+    """The keyword arguments of one tile's block functions: its positions and document ids."""
+    return dict(q_positions=q_positions[q_slice], k_positions=k_positions[k_slice],
+                q_documents=None if q_documents is None else q_documents[:, q_slice],
+                k_documents=None if k_documents is None else k_documents[:, k_slice])
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """Single-process attention over the allowed tiles; see :func:`blockwise_attention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, k_positions, q_documents, k_documents, window_left, causal,
+                softmax_scale, block_size):
+        b, hq, sq, d = q.shape
+        dtype = compute_dtype(q.dtype)
+        plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal,
+                          block_size, block_size)
+        options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale)
+        out = q.new_zeros(b, hq, sq, d, dtype=dtype)
+        lse = q.new_full((b, hq, sq), NEG_INF, dtype=dtype)
+        for q_slice, k_slices in plan:
+            out_q, lse_q = out[:, :, q_slice], lse[:, :, q_slice]
+            for k_slice in k_slices:
+                part, part_lse = attention_block_forward(
+                    q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice],
+                    **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents), **options,
+                )
+                out_q, lse_q = merge_partials(out_q, lse_q, part, part_lse)
+            out[:, :, q_slice], lse[:, :, q_slice] = out_q, lse_q
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, q_positions, k_positions, q_documents, k_documents)
+        ctx.plan, ctx.options = plan, options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, q_positions, k_positions, q_documents, k_documents = ctx.saved_tensors
+        dtype = compute_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+        for q_slice, k_slices in ctx.plan:
+            for k_slice in k_slices:
+                dq_part, dk_part, dv_part = attention_block_backward(
+                    q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice], out[:, :, q_slice], lse[:, :, q_slice],
+                    grad_out[:, :, q_slice],
+                    **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents),
+                    **ctx.options,
+                )
+                dq[:, :, q_slice] += dq_part
+                dk[:, :, k_slice] += dk_part
+                dv[:, :, k_slice] += dv_part
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+
+
+def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor | None = None,
+                        k_positions: torch.Tensor | None = None, q_documents: torch.Tensor | None = None,
+                        k_documents: torch.Tensor | None = None, window_left: int | None = None, causal: bool = True,
+                        softmax_scale: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over k, v computing only the tiles that hold an allowed pair: ``(out, lse)``.
+
+    Shapes and masking as :func:`attention_block_forward` (positions default to ``0 .. s - 1``; ``k_documents``
+    defaults to ``q_documents`` when the two sequences are the same length). Queries and keys are cut into
+    ``block_size`` blocks; tiles that :func:`block_plan` rules out cost nothing. Differentiable in q, k, v; lse is
+    returned for callers that merge further and carries no gradient.
+    """
+    if q_positions is None:
+        q_positions = torch.arange(q.shape[2], device=q.device)
+    if k_positions is None:
+        k_positions = torch.arange(k.shape[2], device=k.device)
+    if k_documents is None and q_documents is not None and k.shape[2] == q.shape[2]:
+        k_documents = q_documents
+    if (q_documents is None) != (k_documents is None):
+        raise ValueError("document ids must be given for both queries and keys, or for neither")
+    if block_size < 1:
+        raise ValueError(f"block_size {block_size} must be at least 1")
+    return BlockwiseAttention.apply(q, k, v, q_positions, k_positions, q_documents, k_documents, window_left,
+                                    causal, softmax_scale, block_size)
