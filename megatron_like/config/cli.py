@@ -21,7 +21,6 @@ from typing import Literal
 
 from megatron_like.config.config import Config, _group_classes
 from megatron_like.config.errors import ConfigError, flag_name
-from megatron_like.config.model import ModelConfig
 
 
 @functools.cache
@@ -149,12 +148,6 @@ def no_effect_warnings(config: Config) -> list[str]:
     if m.num_experts is not None and p.expert_model_parallel_size == 1 and etp_is_tp \
             and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
-    if not m.use_rope_scaling:  # Llama 3.1's numbers alone would silently leave the rotary frequencies unscaled
-        defaults = ModelConfig()
-        for name in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                     "rope_scaling_original_max_position_embeddings"):
-            if getattr(m, name) != getattr(defaults, name):
-                warnings.append(f"{flag_name(name)} has no effect without --use-rope-scaling")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
     return warnings
