@@ -41,8 +41,9 @@ class CheckpointConfig:
     exit_signal_handler: bool = True
     """On SIGTERM or SIGUSR1 save a checkpoint (with --save) and exit cleanly (--no-exit-signal-handler: die)."""
     override_opt_param_scheduler: bool = False
-    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay) from this run's flags, not the
-    checkpoint's (the default here; Megatron's default refuses a mismatch). Also --override-opt_param-scheduler."""
+    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay iterations, style) from this run's flags, not
+    the checkpoint's. Without this flag or --use-checkpoint-opt-param-scheduler, a resume whose flags define
+    another schedule than the checkpoint's is refused (Megatron-LM's rule). Also --override-opt_param-scheduler."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's lr schedule and ignore this run's lr flags. Also
     --use-checkpoint-opt_param-scheduler."""
