@@ -131,6 +131,29 @@ class QuietArgumentParser(argparse.ArgumentParser):
         print_once(f"error: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+        """argparse takes ``-1e-8`` or ``-1,0`` for an option (its negative numbers are plain decimals): glue such a
+        value to the flag before it (``--adam-eps=-1e-8``), so that it reaches the range check."""
+        args = list(sys.argv[1:] if args is None else args)
+        glued: list[str] = []
+        for token in args:
+            if glued and glued[-1].startswith("--") and "=" not in glued[-1] and _is_negative_number(token):
+                glued[-1] = f"{glued[-1]}={token}"
+            else:
+                glued.append(token)
+        return super().parse_known_args(glued, namespace)
+
+
+def _is_negative_number(token: str) -> bool:
+    """``-1e-8``, ``-inf``, ``-1,0`` (a --window-size): a value, never a flag (no flag starts with a digit)."""
+    if token[:2] in ("-.",) or (len(token) > 1 and token[0] == "-" and token[1].isdigit()):
+        return True
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return token.startswith("-")
+
 
 def no_effect_warnings(config: Config) -> list[str]:
     """Flags that change nothing in this layout: one line each (warnings, as Megatron: the run is valid)."""

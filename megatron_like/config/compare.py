@@ -38,15 +38,19 @@ def saved_model_config(saved_model: dict) -> ModelConfig:
 
 def model_changes(saved: ModelConfig, new: ModelConfig, rules: tuple[str, ...] = ("same", "finetune", "noticed")
                   ) -> list[ModelChange]:
-    """Every field whose rule is in ``rules`` and whose value (or declared property) differs, in field order."""
+    """Every field whose rule is in ``rules`` and whose value differs (and, for a field compared through a property,
+    also that property: ``None`` and the size it stands for are the same), in field order."""
     changes = []
     for f in dataclasses.fields(ModelConfig):
         compared = comparison_of(ModelConfig, f.name)
         if compared is None or compared.rule not in rules:
             continue
-        attribute = compared.via or f.name
-        if getattr(saved, attribute) != getattr(new, attribute):
-            changes.append(ModelChange(f.name, compared.rule, getattr(saved, f.name), getattr(new, f.name)))
+        old_value, new_value = getattr(saved, f.name), getattr(new, f.name)
+        # Through a property, both must differ: equal raw values that differ there differ by another field (named
+        # on its own), and None equals the size it stands for.
+        via = compared.via
+        if old_value != new_value and (via is None or getattr(saved, via) != getattr(new, via)):
+            changes.append(ModelChange(f.name, compared.rule, old_value, new_value))
     return changes
 
 

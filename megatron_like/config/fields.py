@@ -47,15 +47,21 @@ class Range:
 
     def describe(self) -> str:
         """The rule in words: "positive", "at least 0", "in [0, 1)", "a finite number"."""
+        low, high = _plain(self.min), _plain(self.max)
         if self.max is None:
             if self.min == 0:
                 return "positive" if self.min_open else "at least 0"
             if self.min is None:
                 return "a finite number"
-            return f"{'greater than' if self.min_open else 'at least'} {self.min:g}"
+            return f"{'greater than' if self.min_open else 'at least'} {low}"
         if self.min is None:
-            return f"{'less than' if self.max_open else 'at most'} {self.max:g}"
-        return f"in {'(' if self.min_open else '['}{self.min:g}, {self.max:g}{')' if self.max_open else ']'}"
+            return f"{'less than' if self.max_open else 'at most'} {high}"
+        return f"in {'(' if self.min_open else '['}{low}, {high}{')' if self.max_open else ']'}"
+
+
+def _plain(bound: float | None) -> str:
+    """A bound as written: 4294967295, not 4.29497e+09."""
+    return str(bound) if bound is None or isinstance(bound, int) else f"{bound:g}"
 
 
 POSITIVE = Range(min=0, min_open=True)

@@ -226,7 +226,8 @@ def test_resuming_with_other_architecture_flags_is_refused_and_old_checkpoints_s
     from megatron_like.training.checkpointing import CheckpointError, check_compatible
 
     saved = parse_config(LLAMA_FLAGS)
-    gpt = parse_config(["--mock-data", "--vocab-size", "64", "--untie-embeddings-and-output-weights"])
+    gpt = parse_config(["--mock-data", "--vocab-size", "64", "--untie-embeddings-and-output-weights",
+                        "--norm-epsilon", "1e-6"])
     with pytest.raises(CheckpointError, match="has --position-embedding-type rope but this run has learned_absolute"):
         check_compatible({"config": saved.to_dict()}, gpt, "ckpt")
     check_compatible({"config": saved.to_dict()}, parse_config(LLAMA_FLAGS), "ckpt")
