@@ -62,6 +62,15 @@ def test_a_change_of_every_compared_field_is_seen_and_no_other(name):
         assert seen.get(name) == rule, f"{name} ({rule}) changed but the comparison saw {seen}"
 
 
+def test_a_value_and_the_default_it_stands_for_are_the_same_model():
+    """Fields compared through a property: an explicit value equal to what the default stands for is no change."""
+    default = ModelConfig()
+    explicit = dataclasses.replace(default, ffn_hidden_size=4 * default.hidden_size, window_size="(-1,0)",
+                                   max_position_embeddings=default.seq_length, group_query_attention=True,
+                                   num_query_groups=default.num_attention_heads)
+    assert model_changes(default, explicit) == []
+
+
 # ---------------------------------------------------------------- the rules applied, on real checkpoints
 LLAMA = ["--num-layers", "2", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--train-iters", "1"]
