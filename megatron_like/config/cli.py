@@ -131,7 +131,8 @@ class QuietArgumentParser(argparse.ArgumentParser):
         print_once(f"error: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
-    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 (argparse's signature)
+    def parse_known_args(self, args: typing.Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
         """argparse takes ``-1e-8`` or ``-1,0`` for an option (its negative numbers are plain decimals): glue such a
         value to the flag before it (``--adam-eps=-1e-8``), so that it reaches the range check."""
         args = list(sys.argv[1:] if args is None else args)
