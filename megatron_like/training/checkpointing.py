@@ -304,7 +304,7 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
     state = _read(path)
     check_compatible(state, config, path)
-    notice = resume_notice(state["config"], state.get("scheduler"), config)  # or refuse the lr schedule
+    notice = resume_notice(state["config"], state.get("scheduler"), config, scheduler is not None)  # or refuse
     if notice and ps.rank == 0:
         print(notice, flush=True)
     for chunk, chunk_state in zip(model, state["model"]):

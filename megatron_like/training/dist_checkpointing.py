@@ -525,7 +525,7 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?)")
     common = torch.load(common_path, map_location="cpu", weights_only=True)
     ckpt.check_same_model(common, config, path)
-    notice = resume_notice(common["config"], common.get("scheduler"), config)  # or refuse the lr schedule
+    notice = resume_notice(common["config"], common.get("scheduler"), config, scheduler is not None)  # or refuse
     if notice and ps.rank == 0:
         print(notice, flush=True)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata

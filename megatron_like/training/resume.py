@@ -75,11 +75,13 @@ def _schedule_follows(old_schedule: dict, new_schedule: dict, config: Config) ->
                           "(the checkpoint's schedule)")
 
 
-def resume_notice(saved_config: dict, saved_schedule: dict | None, config: Config) -> str | None:
+def resume_notice(saved_config: dict, saved_schedule: dict | None, config: Config,
+                  loads_schedule: bool = True) -> str | None:
     """The one line to print when resuming (or fine-tuning) with changed arguments (None when nothing watched
     changed). Raises CheckpointError for a changed lr schedule without a scheduler flag.
 
-    ``saved_config`` is the checkpoint's ``config`` entry, ``saved_schedule`` its ``scheduler`` entry.
+    ``saved_config`` is the checkpoint's ``config`` entry, ``saved_schedule`` its ``scheduler`` entry;
+    ``loads_schedule`` False: the caller has no scheduler to load (a tool), so the schedule is not compared.
     """
     if config.checkpoint.finetune:
         tuned = allowed_model_changes(saved_config["model"], config.model, finetune=True)
@@ -99,7 +101,7 @@ def resume_notice(saved_config: dict, saved_schedule: dict | None, config: Confi
     follows = []
     if saved.training.train_iters != config.training.train_iters:
         follows.append(f"training ends at iteration {config.training.train_iters}")
-    if _lr_defining(old_schedule) != _lr_defining(new_schedule):
+    if loads_schedule and _lr_defining(old_schedule) != _lr_defining(new_schedule):
         follows.append(_schedule_follows(old_schedule, new_schedule, config))
     if any(flag in DATA_ORDER_FLAGS for flag, _, _ in changes):
         follows.append("the data order changes (the samples from here on differ from the original run's)")
