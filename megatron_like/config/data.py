@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from megatron_like.config.errors import ConfigError, _require
+from megatron_like.config.fields import NON_NEGATIVE
 
 
 @dataclass
@@ -28,7 +29,7 @@ class DataConfig:
     """tokenizer.json for the HuggingFaceTokenizer."""
     data_cache_path: str | None = None
     """Directory for the cached sample indices; defaults to beside the data."""
-    num_workers: int = 2
+    num_workers: Annotated[int, NON_NEGATIVE] = 2
     """Data loader worker processes."""
     eod_mask_loss: bool = False
     """Do not train on the prediction made at an end-of-document token (the next document's first token)."""
@@ -47,4 +48,3 @@ class DataConfig:
             len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
             f"--split {self.split!r} needs up to three non-negative numbers with a positive sum",
         )
-        _require(self.num_workers >= 0, f"--num-workers {self.num_workers} must be >= 0")

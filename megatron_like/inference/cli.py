@@ -14,6 +14,7 @@ import os
 import torch
 
 from megatron_like.config import Config, ConfigError, build_parser, config_from_namespace, print_once
+from megatron_like.config.fields import check_declared
 from megatron_like.inference.loading import InferenceModel, load_inference_model
 from megatron_like.parallel_state import ParallelState
 
@@ -27,12 +28,17 @@ def inference_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
-    """Parse ``argv``: the tool's own flags (namespace) and the config flags (not validated as a training run)."""
+    """Parse ``argv``: the tool's own flags (namespace) and the config flags (not validated as a training run; each
+    flag's declared range and needed flags are checked, before any process group)."""
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = config_from_namespace(args, world_size)
     if config.checkpoint.load is None:
         parser.error("--load <checkpoint dir> is required")
+    try:
+        check_declared(config.groups())
+    except ConfigError as error:
+        fail(str(error))
     return args, config
 
 
@@ -58,7 +64,7 @@ def setup(config: Config, data_parallel: bool = False) -> ParallelState:
 def load(config: Config, ps: ParallelState, iteration: int | None = None) -> InferenceModel:
     """This rank's chunk of the checkpoint ``--load`` in the layout of ``ps``."""
     return load_inference_model(config.checkpoint.load, ps, cli_data=config.data, iteration=iteration,
-                                dtype=getattr(torch, config.params_dtype_name))
+                                dtype=getattr(torch, config.params_dtype_name), given_model=config.model)
 
 
 def fail(message: str, code: int = 2) -> None:

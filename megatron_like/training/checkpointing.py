@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config, ModelConfig
+from megatron_like.config import Config
+from megatron_like.config.compare import refused_model_change
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
 from megatron_like.training.resume import resume_notice
@@ -221,19 +222,11 @@ def is_dist_checkpoint(root: str, iteration: int) -> bool:
 
 
 def check_same_model(saved: dict, config: Config, path: str) -> None:
-    """Refuse a checkpoint (its saved ``config``) whose model shape or architecture differs from this run's."""
-    saved_model = saved["config"]["model"]
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                 "max_position_embeddings", "untie_embeddings_and_output_weights",
-                 "position_embedding_type", "normalization", "swiglu", "group_query_attention",
-                 "num_query_groups", "disable_bias_linear", "add_qkv_bias"):
-        saved_value = saved_model.get(name, ModelConfig.__dataclass_fields__[name].default)  # older checkpoints
-        if saved_value != getattr(config.model, name):
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(
-                f"checkpoint {path} has {flag} {saved_value} but this run has "
-                f"{getattr(config.model, name)}; pass the checkpoint's value"
-            )
+    """Refuse a checkpoint (its saved ``config``) whose model computes something else than this run's: every
+    ModelConfig field declared MUST_MATCH, and FINETUNE_MAY_CHANGE unless --finetune (config/fields.py)."""
+    problem = refused_model_change(saved["config"]["model"], config.model, config.checkpoint.finetune)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} {problem}")
 
 
 def check_compatible(saved: dict, config: Config, path: str) -> None:
@@ -311,13 +304,13 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
     state = _read(path)
     check_compatible(state, config, path)
+    notice = resume_notice(state["config"], state.get("scheduler"), config, scheduler is not None)  # or refuse
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     for chunk, chunk_state in zip(model, state["model"]):
         chunk.load_state_dict(chunk_state)
     if config.checkpoint.finetune:
         return 0, 0
-    notice = resume_notice(state["config"], state.get("scheduler"), config)
-    if notice and ps.rank == 0:
-        print(notice, flush=True)
     own = state
     if replica_rank(ps) > 0:
         own_path = rank_file(directory, replica_rank(ps))

@@ -525,6 +525,9 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?)")
     common = torch.load(common_path, map_location="cpu", weights_only=True)
     ckpt.check_same_model(common, config, path)
+    notice = resume_notice(common["config"], common.get("scheduler"), config, scheduler is not None)  # or refuse
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     metadata = FileSystemReader(path).read_metadata().state_dict_metadata
     shapes = {k: tuple(m.size) for k, m in metadata.items() if not isinstance(m, BytesStorageMetadata)}
     weights_only = config.checkpoint.finetune
@@ -571,9 +574,6 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         buffer.copy_(state[key])
     if weights_only:
         return 0, 0
-    notice = resume_notice(common["config"], common.get("scheduler"), config)
-    if notice and ps.rank == 0:
-        print(notice, flush=True)
     if install is not None:
         install(saved_optim["step"] if saved_optim else None)
         if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:

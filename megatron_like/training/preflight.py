@@ -1,10 +1,12 @@
 """Paths checked up front, before any process group starts (a ConfigError of one line each):
 
-* ``--save`` is created if needed and must accept a file (a probe file is written and removed);
-* ``--load`` must exist and hold ``latest_checkpointed_iteration.txt`` naming an existing ``iter_``
+* ``--save``, ``--tensorboard-dir`` and (when data is read) ``--data-cache-path`` are created if needed and must
+  accept a file (a probe file is written and removed);
+* ``--load`` must be a directory holding ``latest_checkpointed_iteration.txt`` naming an existing ``iter_``
   directory, unless ``--load`` equals ``--save``: that is the auto-resume pattern of the launch
   scripts, where the first launch finds nothing and starts from scratch (the training loop prints a
   one-line notice);
+* the tokenizer files given (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``) must exist;
 * every ``--data-path`` prefix (also in a blended ``weight prefix weight prefix`` list) must have both
   its ``.bin`` and its ``.idx`` file (GPT data only: ``check_data_prefixes``).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from megatron_like.config import CheckpointConfig, ConfigError
+from megatron_like.config import CheckpointConfig, Config, ConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -23,25 +25,33 @@ def _same_directory(a: str, b: str | None) -> bool:
     return b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_save_dir(save: str) -> None:
-    """``--save`` exists (created here) and is writable by this process."""
+def check_writable_dir(flag: str, path: str) -> None:
+    """The directory ``path`` of ``flag`` exists (created here) and is writable by this process."""
     try:
-        os.makedirs(save, exist_ok=True)
+        os.makedirs(path, exist_ok=True)
     except OSError as error:
-        raise ConfigError(f"--save {save} cannot be created: {error.strerror or error}; pick a writable "
+        raise ConfigError(f"{flag} {path} cannot be created: {error.strerror or error}; pick a writable "
                           "directory") from None
     try:
-        with tempfile.NamedTemporaryFile(dir=save, prefix=".write_probe."):
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write_probe."):
             pass
     except OSError as error:
-        raise ConfigError(f"--save {save} is not writable: {error.strerror or error}; pick a writable "
+        raise ConfigError(f"{flag} {path} is not writable: {error.strerror or error}; pick a writable "
                           "directory") from None
+
+
+def check_save_dir(save: str) -> None:
+    """``--save`` exists (created here) and is writable by this process."""
+    check_writable_dir("--save", save)
 
 
 def check_load_dir(load: str, save: str | None) -> None:
     """``--load`` names a checkpoint (or equals ``--save``, which may not hold one yet)."""
     resume_pattern = _same_directory(load, save)
     tracker = os.path.join(load, TRACKER_FILE)
+    if os.path.exists(load) and not os.path.isdir(load):
+        raise ConfigError(f"--load {load} is a file, not a checkpoint directory; pass the directory that holds "
+                          f"{TRACKER_FILE}")
     if not os.path.exists(tracker):
         if resume_pattern:
             return
@@ -70,6 +80,28 @@ def check_checkpoint_paths(checkpoint: CheckpointConfig) -> None:
         check_save_dir(checkpoint.save)
     if checkpoint.load:
         check_load_dir(checkpoint.load, checkpoint.save)
+
+
+def check_tokenizer_files(vocab_file: str | None, merge_file: str | None, tokenizer_model: str | None) -> None:
+    """Every tokenizer file given on the command line exists (``--tokenizer-model`` may be a directory)."""
+    for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path} is not a file; pass the GPT-2 BPE file (encoder.json / vocab.bpe), "
+                              "or neither --vocab-file nor --merge-file for the original GPT-2 files")
+    if tokenizer_model is not None and not os.path.exists(tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {tokenizer_model} does not exist; pass a tokenizer.json or the "
+                          "directory holding it")
+
+
+def check_run_paths(config: Config) -> None:
+    """Every path rule of the module docstring but the data prefixes (which only GPT data has)."""
+    check_checkpoint_paths(config.checkpoint)
+    if config.logging.tensorboard_dir:
+        check_writable_dir("--tensorboard-dir", config.logging.tensorboard_dir)
+    d = config.data
+    if d.data_cache_path and not d.mock_data:
+        check_writable_dir("--data-cache-path", d.data_cache_path)
+    check_tokenizer_files(d.vocab_file, d.merge_file, d.tokenizer_model)
 
 
 def check_data_prefixes(data_path: list[str]) -> None:
