@@ -1,9 +1,12 @@
-"""A torch_dist checkpoint crosses devices and layouts: saved by one process on the GPU, it continues on two CPU
-processes at tensor-parallel size 2 (gloo), and the other way round, like the uninterrupted run of the saving side.
+"""Checkpoints on CUDA.
 
-float32 (no TF32: PyTorch's default for matmuls), so the GPU and the CPU compute the same model within float32
-tolerance: the resumed iterations' losses and gradient norms, and the final weights, must equal the straight run's.
-A load that missed the weights or the Adam state would be off by a whole learning-rate step.
+* A torch_dist checkpoint crosses devices and layouts: saved by one process on the GPU, it continues on two CPU
+  processes at tensor-parallel size 2 (gloo), and the other way round, like the uninterrupted run of the saving
+  side. float32 (no TF32: PyTorch's default for matmuls), so the GPU and the CPU compute the same model within
+  float32 tolerance: the resumed iterations' losses and gradient norms, and the final weights, must equal the
+  straight run's. A load that missed the weights or the Adam state would be off by a whole learning-rate step.
+* With dropout on, a run resumed on the GPU draws the masks the uninterrupted run drew: the checkpoint carries
+  the CUDA generator states (default and tensor-parallel tracker), which only a GPU run saves and restores.
 """
 
 from __future__ import annotations
@@ -42,3 +45,13 @@ def test_torch_dist_checkpoint_continues_on_the_other_device_and_layout(tmp_path
     assert len(straight["losses"]) == 6 and len(resumed["losses"]) == 3
     straight["losses"], straight["grad_norms"] = straight["losses"][3:], straight["grad_norms"][3:]
     assert_same_training(straight, resumed, rtol=1e-4, weight_atol=1e-4)
+
+
+def test_resume_on_gpu_restores_the_cuda_generators(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    dropout = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2"]
+    straight = train(True, FLAGS + dropout + ["--save", directory, "--save-interval", "3"])
+    write_tracker(directory, 3)
+    resumed = train(True, FLAGS + dropout + ["--load", directory])
+    straight["losses"], straight["grad_norms"] = straight["losses"][3:], straight["grad_norms"][3:]
+    assert_same_training(straight, resumed, rtol=1e-5, weight_atol=1e-5)

@@ -1,7 +1,11 @@
-"""A few bf16 training steps of the tiny GPT and the Llama-style model on CUDA, with the fused kernels (CUDA twins)
-and without them (``MEGATRON_LIKE_NO_CSRC=1`` and the ``--no-*-fusion`` flags): the same losses and gradient norms
-within bf16 tolerance. Both runs start from the same weights and data, so iteration 1's gradient norm compares the
-fused backward passes directly; a wrong kernel moves it by far more than bf16 rounding does.
+"""Training on CUDA.
+
+* A few bf16 steps of the tiny GPT and the Llama-style model with the fused kernels (CUDA twins) and without them
+  (``MEGATRON_LIKE_NO_CSRC=1`` and the ``--no-*-fusion`` flags): the same losses and gradient norms within bf16
+  tolerance. Both runs start from the same weights and data. This checks the twins inside the model; a kernel
+  error that Adam's normalization hides (a gradient scaled by a constant) is test_cuda_kernels.py's to catch.
+* ``--optimizer-cpu-offload``: the optimizer steps on host copies of the device gradient shards (a path only a
+  GPU takes) and trains like the optimizer on the device, within float32 tolerance.
 """
 
 from __future__ import annotations
@@ -39,3 +43,14 @@ def test_bf16_training_is_the_same_with_and_without_fused_kernels(model, monkeyp
     torch.testing.assert_close(torch.tensor(fused["grad_norms"]), torch.tensor(plain["grad_norms"]), rtol=3e-2,
                                atol=0)
     assert fused["losses"][-1] < fused["losses"][0]  # it trains
+
+
+def test_optimizer_cpu_offload_trains_like_the_device_optimizer():
+    flags = ["--train-iters", "4", "--zero-stage", "1"]
+    on_device = train_gpt(0, 1, flags)
+    offloaded = train_gpt(0, 1, flags + ["--optimizer-cpu-offload"])
+    torch.testing.assert_close(torch.tensor(offloaded["losses"]), torch.tensor(on_device["losses"]), rtol=1e-5, atol=0)
+    for name, weight in on_device["params"].items():
+        assert weight.is_cuda and offloaded["params"][name].is_cuda
+        torch.testing.assert_close(offloaded["params"][name], weight, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
