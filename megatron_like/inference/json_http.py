@@ -5,8 +5,9 @@ handler (the base of ``tools/text_generation_server.py``'s) closes each gap:
 
 * a request line it cannot parse is answered as HTTP/1.x: the base class takes such a client for
   HTTP/0.9 and writes the body with no status line and no headers;
-* a head whose lines end with a bare CR (no LF) is refused at once (``400``): the base class waits for
-  an LF that never comes, then closes without a word;
+* a head whose lines end with a bare CR (no LF) is refused at once (``400``) when the CR arrives with
+  the bytes before it (a client sends its head in one piece); the base class waits for an LF that
+  never comes, then closes without a word (here: ``408``, below, if the CR came in a later piece);
 * a request that stops arriving (request line, headers or body) gets ``408`` after ``timeout`` seconds,
   where the base class closes silently; an idle connection between requests is closed silently;
 * a request line of blanks gets ``400`` (the base class closes silently), while empty lines before a
