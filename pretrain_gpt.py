@@ -23,7 +23,7 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import check_supported
-from megatron_like.training.preflight import check_data_prefixes
+from megatron_like.training.preflight import check_gpt_data
 
 
 def vocab_and_eod(config: Config) -> tuple[int, int | None]:
@@ -101,10 +101,10 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
 
 
 def check_gpt_flags(config: Config) -> None:
-    """check_supported plus the GPT data files (before any process group starts)."""
+    """check_supported plus the GPT data files and their token ids (before any process group starts)."""
     check_supported(config)
     if not config.data.mock_data:
-        check_data_prefixes(config.data.data_path)
+        check_gpt_data(config.data, vocab_and_eod(config)[0])
 
 
 def main(argv: list[str] | None = None) -> None:

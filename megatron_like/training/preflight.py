@@ -8,7 +8,10 @@
   one-line notice);
 * the tokenizer files given (``--vocab-file``, ``--merge-file``, ``--tokenizer-model``) must exist;
 * every ``--data-path`` prefix (also in a blended ``weight prefix weight prefix`` list) must have both
-  its ``.bin`` and its ``.idx`` file (GPT data only: ``check_data_prefixes``).
+  its ``.bin`` and its ``.idx`` file, an index that opens (``IndexedDataset``'s checks: header, sizes,
+  pointers, document index, ``.bin`` length) and token ids inside the tokenizer's vocabulary (the
+  range is scanned once per dataset and cached, ``megatron_like/data/token_range.py``); GPT data only:
+  ``check_gpt_data``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from megatron_like.config import CheckpointConfig, Config, ConfigError
+from megatron_like.config import CheckpointConfig, Config, ConfigError, DataConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -104,8 +107,8 @@ def check_run_paths(config: Config) -> None:
     check_tokenizer_files(d.vocab_file, d.merge_file, d.tokenizer_model)
 
 
-def check_data_prefixes(data_path: list[str]) -> None:
-    """Every prefix of ``--data-path`` (plain or blended) has its ``.bin`` and ``.idx``."""
+def check_data_prefixes(data_path: list[str]) -> list[str]:
+    """Return the prefixes of ``--data-path`` (plain or blended), each checked to have its ``.bin`` and ``.idx``."""
     from megatron_like.data.blended_dataset import parse_data_path
 
     try:
@@ -117,3 +120,35 @@ def check_data_prefixes(data_path: list[str]) -> None:
         if missing:
             raise ConfigError(f"--data-path prefix {prefix}: {' and '.join(missing)} not found; pass the prefix "
                               "data_tools/preprocess.py wrote (the path without .bin/.idx)")
+    return prefixes
+
+
+def _vocabulary_fix(data: DataConfig, vocab_size: int, largest: int) -> str:
+    """What to do about a token id outside the vocabulary: depends on where the vocabulary comes from."""
+    if data.tokenizer_type == "NullTokenizer":  # ids 0 .. --vocab-size, the last one end-of-document
+        return (f"the NullTokenizer's ids are 0..--vocab-size {vocab_size - 1}: pass --vocab-size {largest} "
+                "or more")
+    tokenizer = data.tokenizer_type or "GPT2BPETokenizer"
+    return (f"the corpus was binarized with another tokenizer than --tokenizer-type {tokenizer} ({vocab_size} ids): "
+            "binarize it again with data_tools/preprocess.py, or train with the tokenizer it was made with")
+
+
+def check_gpt_data(data: DataConfig, vocab_size: int) -> None:
+    """``check_data_prefixes``, then each dataset's index opens and its token ids lie in [0, ``vocab_size``)."""
+    from megatron_like.data.dataset_builder import default_cache_dir
+    from megatron_like.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+    from megatron_like.data.token_range import cached_token_id_range
+
+    for prefix in check_data_prefixes(data.data_path):
+        try:
+            indexed = IndexedDataset(prefix)
+        except (IndexedDatasetError, OSError) as error:
+            raise ConfigError(f"--data-path prefix {prefix}: {error}; binarize the corpus again with "
+                              "data_tools/preprocess.py") from None
+        smallest, largest = cached_token_id_range(indexed, default_cache_dir(prefix, data.data_cache_path))
+        if smallest < 0:
+            raise ConfigError(f"--data-path prefix {prefix}: {prefix}.bin holds token id {smallest}, and token "
+                              "ids are never negative: binarize the corpus again with data_tools/preprocess.py")
+        if largest >= vocab_size:
+            raise ConfigError(f"--data-path prefix {prefix}: {prefix}.bin holds token id {largest}, outside the "
+                              f"vocabulary; {_vocabulary_fix(data, vocab_size, largest)}")

@@ -33,7 +33,7 @@ def llama_config(**overrides) -> ModelConfig:
 
 @pytest.fixture(scope="module")
 def hf_and_ours():
-    transformers = pytest.importorskip("transformers")
+    import transformers  # a test dependency: missing, this fails
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=GROUPS, intermediate_size=FFN,
