@@ -55,6 +55,7 @@ def test_bad_flags_and_paths_stop_before_any_process_group_in_one_line_printed_o
         f"--save {not_a_dir / 'sub'}": f"--save {not_a_dir / 'sub'} cannot be created",
         f"--data-path 0.5 {tmp_path / 'only'} 0.5 {tmp_path / 'none'}": f"{tmp_path / 'only'}.idx not found",
         f"--data-path {tmp_path / 'none'}": f"{tmp_path / 'none'}.bin and {tmp_path / 'none'}.idx not found",
+        "--reset-attention-mask": "--reset-attention-mask needs end-of-document tokens and --mock-data has none",
     }
     for extra, expected in cases.items():
         argv = FLAGS + extra.split()
