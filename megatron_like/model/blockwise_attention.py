@@ -71,13 +71,12 @@ def _grouped(q: torch.Tensor, hkv: int) -> torch.Tensor:
     return q.view(b, hkv, hq // hkv, s, d)
 
 
-def _block_scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """Masked scaled scores ``[b, hkv, g, sq, sk]`` in the compute dtype (-inf where not allowed)."""
-    dtype = compute_dtype(q.dtype)
-    qg = _grouped(q.to(dtype), k.shape[1])
-    scores = torch.matmul(qg, k.to(dtype).unsqueeze(2).transpose(-1, -2)) * scale
+def _block_scores(q_scaled: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """Masked scores ``[b, hkv, g, sq, sk]`` (-inf where not allowed) of the grouped, scaled queries ``q_scaled``
+    ``[b, hkv, g, sq, d]`` (scaling the queries costs ``sq * d`` multiplications, the scores ``sq * sk``)."""
+    scores = torch.matmul(q_scaled, k.to(q_scaled.dtype).unsqueeze(2).transpose(-1, -2))
     if allowed is not None:
-        scores = scores.masked_fill(~allowed[:, None, None], NEG_INF)
+        scores.masked_fill_(~allowed[:, None, None], NEG_INF)
     return scores
 
 
@@ -99,12 +98,15 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`.
     """
     b, hq, sq, d = q.shape
+    dtype = compute_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     allowed = allowed_pairs(q_positions, k_positions, q_documents, k_documents, window_left, causal)
-    scores = _block_scores(q, k, allowed, scale)  # (b, hkv, g, sq, sk)
-    lse = torch.logsumexp(scores, dim=-1)  # -inf on rows with no visible key
-    probs = torch.exp(scores - _finite(lse)[..., None])
-    out = torch.matmul(probs, v.to(probs.dtype).unsqueeze(2))  # (b, hkv, g, sq, d)
+    scores = _block_scores(_grouped(q.to(dtype) * scale, k.shape[1]), k, allowed)  # (b, hkv, g, sq, sk)
+    row_max = scores.amax(dim=-1, keepdim=True)  # -inf on rows with no visible key
+    unnormalized = scores.sub_(_finite(row_max)).exp_()  # in place: the scores are not needed any more
+    row_sum = unnormalized.sum(dim=-1, keepdim=True)  # 0 on rows with no visible key (their output stays 0)
+    out = torch.matmul(unnormalized, v.to(dtype).unsqueeze(2)) / row_sum.clamp_min(torch.finfo(dtype).tiny)
+    lse = (row_max + torch.log(row_sum)).squeeze(-1)  # -inf + log 0 = -inf, never NaN
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
@@ -142,16 +144,16 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     dtype = compute_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     allowed = allowed_pairs(q_positions, k_positions, q_documents, k_documents, window_left, causal)
-    scores = _block_scores(q, k, allowed, scale)  # (b, hkv, g, sq, sk)
+    q_scaled = _grouped(q.to(dtype) * scale, hkv)
+    scores = _block_scores(q_scaled, k, allowed)  # (b, hkv, g, sq, sk)
     lse_g = _grouped(_finite(lse.to(dtype)).unsqueeze(-1), hkv)  # (b, hkv, g, sq, 1)
-    probs = torch.exp(scores - lse_g)  # the merged softmax's probabilities of this block's keys
+    probs = scores.sub_(lse_g).exp_()  # the merged softmax's probabilities of this block's keys (in place)
     grad_out_g = _grouped(grad_out.to(dtype), hkv)
     delta = (grad_out_g * _grouped(out.to(dtype), hkv)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
-    v_c = v.to(dtype).unsqueeze(2)
-    grad_probs = torch.matmul(grad_out_g, v_c.transpose(-1, -2))  # dP (b, hkv, g, sq, sk)
-    grad_scores = probs * (grad_probs - delta) * scale  # dS, with the softmax scale folded in
-    dq = torch.matmul(grad_scores, k.to(dtype).unsqueeze(2)).reshape(b, hq, sq, d)
-    dk = torch.matmul(grad_scores.transpose(-1, -2), _grouped(q.to(dtype), hkv)).sum(2)
+    grad_probs = torch.matmul(grad_out_g, v.to(dtype).unsqueeze(2).transpose(-1, -2))  # dP (b, hkv, g, sq, sk)
+    grad_scores = grad_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D), in place; the scale goes on dq, dk
+    dq = (torch.matmul(grad_scores, k.to(dtype).unsqueeze(2)) * scale).reshape(b, hq, sq, d)
+    dk = torch.matmul(grad_scores.transpose(-1, -2), q_scaled).sum(2)
     dv = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
     return dq, dk, dv
 
