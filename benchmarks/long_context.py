@@ -11,9 +11,9 @@ Rows (float32, batch 1, causal):
 - ``sliding window``: each query sees itself and the s / 8 - 1 keys before it (``--window-size s/8-1,0``).
 
 Each side runs forward + backward of the same q, k, v and output gradient; the sides alternate repeat by repeat
-so a slow period of the machine hits both (after one warm-up call each), and the table gives the medians, the speedup, the share of query-key
-tiles the blockwise core computed, and the largest difference of output and gradients between the two sides
-("same result"). Timings on a shared machine are noisy: compare ratios from one run.
+(after one warm-up call each) so a slow period of the machine hits both, and the table gives the medians, the
+speedup, the share of query-key tiles the blockwise core computed, and the largest difference of output and
+gradients between the two sides ("same result"). Timings on a shared machine are noisy: compare ratios from one run.
 """
 
 from __future__ import annotations
