@@ -22,6 +22,10 @@ The allowed pairs: key ``j`` is visible to query ``i`` when ``k_pos[j] <= q_pos[
 ``k_pos[j] >= q_pos[i] - window_left`` (a window: the query and the ``window_left`` keys before it, flash-attention's
 ``window_size=(window_left, 0)``; ``--window-size`` LEFT), and ``k_doc[b, j] == q_doc[b, i]`` (documents).
 A query with no visible key gets output 0 and lse ``-inf`` (never NaN); its gradients are 0.
+
+Attention dropout (``dropout_p``) drops the pair (sample, head, query position, key position) when a hash of it and
+``dropout_seed`` falls below ``dropout_p`` (:func:`dropout_keep`): the mask depends on the pair alone, not on how the
+queries and keys are cut into blocks or spread over ranks, and the backward rebuilds it from the seed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,37 @@ import torch
 
 NEG_INF = float("-inf")
 DEFAULT_BLOCK_SIZE = 256
+_HASH_BITS = 24  # resolution of the dropout's uniform draw: 1 / 16.7 M
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as torch's int64 holds it (two's complement)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_MIX_1, _MIX_2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)  # splitmix64's finalizer
+_STRIDES = [_signed(c) for c in (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5)]
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` keeps the sign)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def dropout_keep(seed: int, batch: int, heads: int, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                 dropout_p: float) -> torch.Tensor:
+    """bool ``[batch, heads, sq, sk]``: True where attention dropout keeps the pair (probability ``1 - dropout_p``).
+
+    Each pair's draw is splitmix64 of ``seed`` and its (sample, head, query position, key position), so the same
+    pair gets the same draw in any block of any rank."""
+    device = q_positions.device
+    x = (torch.arange(batch, device=device).view(-1, 1, 1, 1) * _STRIDES[0]
+         + torch.arange(heads, device=device).view(1, -1, 1, 1) * _STRIDES[1]
+         + q_positions.view(1, 1, -1, 1) * _STRIDES[2] + k_positions.view(1, 1, 1, -1) * _STRIDES[3] + seed)
+    x = (x ^ _shift_right(x, 30)) * _MIX_1
+    x = (x ^ _shift_right(x, 27)) * _MIX_2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 64 - _HASH_BITS) >= round(dropout_p * (1 << _HASH_BITS))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -88,14 +123,16 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
                             k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
                             k_documents: torch.Tensor | None = None, window_left: int | None = None,
-                            causal: bool = True, softmax_scale: float | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                            dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key block: ``(out, lse)``.
 
     q ``[b, hq, sq, d]``, k and v ``[b, hkv, sk, d]`` (grouped-query attention: hq a multiple of hkv, query head
     ``h`` reads key/value head ``h // (hq / hkv)``). Returns out ``[b, hq, sq, d]`` in q's dtype (the softmax over
     this block's keys only) and lse ``[b, hq, sq]`` in float32 (float64 for float64 inputs); rows with no visible
-    key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`.
+    key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`. With ``dropout_p`` the output drops the
+    pairs :func:`dropout_keep` drops (and scales the rest by ``1 / (1 - dropout_p)``); lse is that of the undropped
+    softmax, as flash-attention's.
     """
     b, hq, sq, d = q.shape
     dtype = compute_dtype(q.dtype)
@@ -105,6 +142,9 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     row_max = scores.amax(dim=-1, keepdim=True)  # -inf on rows with no visible key
     unnormalized = scores.sub_(_finite(row_max)).exp_()  # in place: the scores are not needed any more
     row_sum = unnormalized.sum(dim=-1, keepdim=True)  # 0 on rows with no visible key (their output stays 0)
+    if dropout_p > 0:
+        keep = _grouped(dropout_keep(dropout_seed, b, hq, q_positions, k_positions, dropout_p), k.shape[1])
+        unnormalized = unnormalized.masked_fill(~keep, 0.0).div_(1.0 - dropout_p)  # the sum above stays undropped
     out = torch.matmul(unnormalized, v.to(dtype).unsqueeze(2)) / row_sum.clamp_min(torch.finfo(dtype).tiny)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)  # -inf + log 0 = -inf, never NaN
     return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
@@ -130,8 +170,8 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              lse: torch.Tensor, grad_out: torch.Tensor, *, q_positions: torch.Tensor,
                              k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
                              k_documents: torch.Tensor | None = None, window_left: int | None = None,
-                             causal: bool = True, softmax_scale: float | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block pair's share of the attention gradients: ``(dq, dk, dv)``.
 
     ``out`` ``[b, hq, sq, d]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
@@ -151,10 +191,15 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     grad_out_g = _grouped(grad_out.to(dtype), hkv)
     delta = (grad_out_g * _grouped(out.to(dtype), hkv)).sum(-1, keepdim=True)  # D = rowsum(dO * O)
     grad_probs = torch.matmul(grad_out_g, v.to(dtype).unsqueeze(2).transpose(-1, -2))  # dP (b, hkv, g, sq, sk)
+    dropped_probs = probs
+    if dropout_p > 0:  # out used P * keep / (1 - p): so do dV and dP
+        keep = _grouped(dropout_keep(dropout_seed, b, hq, q_positions, k_positions, dropout_p), hkv)
+        dropped_probs = probs.masked_fill(~keep, 0.0).div_(1.0 - dropout_p)
+        grad_probs.masked_fill_(~keep, 0.0).div_(1.0 - dropout_p)
+    dv = torch.matmul(dropped_probs.transpose(-1, -2), grad_out_g).sum(2)
     grad_scores = grad_probs.sub_(delta).mul_(probs)  # dS = P * (dP - D), in place; the scale goes on dq, dk
     dq = (torch.matmul(grad_scores, k.to(dtype).unsqueeze(2)) * scale).reshape(b, hq, sq, d)
     dk = torch.matmul(grad_scores.transpose(-1, -2), q_scaled).sum(2)
-    dv = torch.matmul(probs.transpose(-1, -2), grad_out_g).sum(2)
     return dq, dk, dv
 
 
@@ -209,12 +254,13 @@ class BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_positions, k_positions, q_documents, k_documents, window_left, causal,
-                softmax_scale, block_size):
+                softmax_scale, block_size, dropout_p, dropout_seed):
         b, hq, sq, d = q.shape
         dtype = compute_dtype(q.dtype)
         plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal,
                           block_size, block_size)
-        options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale)
+        options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                       dropout_seed=dropout_seed)
         out = q.new_zeros(b, hq, sq, d, dtype=dtype)
         lse = q.new_full((b, hq, sq), NEG_INF, dtype=dtype)
         for q_slice, k_slices in plan:
@@ -248,20 +294,21 @@ class BlockwiseAttention(torch.autograd.Function):
                 dq[:, :, q_slice] += dq_part
                 dk[:, :, k_slice] += dk_part
                 dv[:, :, k_slice] += dv_part
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 10
 
 
 def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor | None = None,
                         k_positions: torch.Tensor | None = None, q_documents: torch.Tensor | None = None,
                         k_documents: torch.Tensor | None = None, window_left: int | None = None, causal: bool = True,
-                        softmax_scale: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        softmax_scale: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                        dropout_p: float = 0.0, dropout_seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over k, v computing only the tiles that hold an allowed pair: ``(out, lse)``.
 
     Shapes and masking as :func:`attention_block_forward` (positions default to ``0 .. s - 1``; ``k_documents``
     defaults to ``q_documents`` when the two sequences are the same length). Queries and keys are cut into
     ``block_size`` blocks; tiles that :func:`block_plan` rules out cost nothing. Differentiable in q, k, v; lse is
-    returned for callers that merge further and carries no gradient.
+    returned for callers that merge further and carries no gradient. ``dropout_seed`` None with ``dropout_p > 0``:
+    drawn from the device's generator (recompute-safe: the checkpoint restores it).
     """
     if q_positions is None:
         q_positions = torch.arange(q.shape[2], device=q.device)
@@ -273,5 +320,9 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_
         raise ValueError("document ids must be given for both queries and keys, or for neither")
     if block_size < 1:
         raise ValueError(f"block_size {block_size} must be at least 1")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p {dropout_p} must be in [0, 1)")
+    if dropout_p > 0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 1 << 62, (1,), device=q.device))
     return BlockwiseAttention.apply(q, k, v, q_positions, k_positions, q_documents, k_documents, window_left,
-                                    causal, softmax_scale, block_size)
+                                    causal, softmax_scale, block_size, dropout_p, dropout_seed or 0)

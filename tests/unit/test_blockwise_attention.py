@@ -19,6 +19,7 @@ from megatron_like.model.blockwise_attention import (
     attention_block_forward,
     block_plan,
     blockwise_attention,
+    dropout_keep,
     merge_partials,
 )
 
@@ -40,15 +41,17 @@ def reference_mask(q_positions, k_positions, q_documents, k_documents, window_le
     return mask
 
 
-def reference_attention(q, k, v, mask):
-    """Dense softmax attention with the key/value heads repeated per query group; rows with no key give 0."""
+def reference_attention(q, k, v, mask, dropout_scale=None):
+    """Dense softmax attention with the key/value heads repeated per query group; rows with no key give 0;
+    ``dropout_scale`` [b, h, sq, sk] multiplies the probabilities (0 where dropped, 1 / (1 - p) where kept)."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     mask = mask[:, None]
     seen = mask.any(-1, keepdim=True)
     scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~seen, 0.0)
-    return torch.matmul(torch.softmax(scores, -1) * seen, v)
+    probs = torch.softmax(scores, -1) * seen
+    return torch.matmul(probs if dropout_scale is None else probs * dropout_scale, v)
 
 
 def inputs(sq, sk, seed=0):
@@ -182,3 +185,31 @@ def test_bfloat16_is_close_to_float64():
     assert out.dtype == torch.bfloat16
     expected, _ = blockwise_attention(q, k, v, block_size=4, **options)
     torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("block_size", [4, 13])
+def test_dropout_equals_dense_attention_with_the_same_pairs_dropped(block_size):
+    """The mask is a function of (seed, sample, head, query position, key position): any tiling gives the same
+    output, and the gradients are those of dense attention that drops the same pairs."""
+    p, seed = 0.3, 1234
+    q, k, v, grad_out = inputs(S, S, seed=3)
+    options = CASES["window_documents"]
+    positions = torch.arange(S)
+    mask = reference_mask(positions, positions, DOCS, DOCS, options["window_left"], True)
+    keep = dropout_keep(seed, B, HQ, positions, positions, p)
+    out, _ = blockwise_attention(q, k, v, block_size=block_size, dropout_p=p, dropout_seed=seed, **options)
+    expected = reference_attention(q, k, v, mask, keep.double() / (1 - p))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out),
+                         torch.autograd.grad(expected, (q, k, v), grad_out)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_keeps_one_minus_p_of_the_pairs_and_follows_the_seed():
+    positions = torch.arange(256)
+    keep = dropout_keep(7, 2, 4, positions, positions, 0.25)
+    assert abs(keep.double().mean().item() - 0.75) < 0.005  # 524288 draws: the standard error is 0.0006
+    assert abs(keep[:, :, :, ::2].double().mean().item() - 0.75) < 0.005  # no pattern along the keys
+    other = dropout_keep(8, 2, 4, positions, positions, 0.25)
+    assert 0.3 < (keep != other).double().mean().item() < 0.45  # independent: 2 * 0.25 * 0.75 differ
+    assert torch.equal(dropout_keep(7, 2, 4, positions[100:], positions[:50], 0.25), keep[:, :, 100:, :50])
