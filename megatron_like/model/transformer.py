@@ -150,18 +150,17 @@ class SelfAttention(nn.Module):
             return None
         return sliding_window_mask(s, self.window, device)
 
-    def skips_masked_blocks(self, s: int, document_ids: torch.Tensor | None, dropout_p: float) -> bool:
+    def skips_masked_blocks(self, s: int, document_ids: torch.Tensor | None) -> bool:
         """Whether the blockwise core serves this call: a window shorter than the sequence or packed documents,
-        without attention dropout (the core draws none) and outside torch.compile / torch.export (it plans its
-        tiles in Python from the actual positions)."""
-        if dropout_p > 0 or torch.compiler.is_compiling():
+        outside torch.compile / torch.export (the core plans its tiles in Python from the actual positions)."""
+        if torch.compiler.is_compiling():
             return False
         return document_ids is not None or (self.window is not None and self.window < s)
 
     def dense_mask(self, s: int, device: torch.device, document_ids: torch.Tensor | None) -> torch.Tensor | None:
         """bool ``[s, s]`` or ``[b, 1, s, s]`` (True = attend) for the dense cores, None when plain causal or
         bidirectional attention is the same thing: the window's band, and with documents the pairs of one
-        document (only with attention dropout or under compilation; else the blockwise core takes them)."""
+        document (only under compilation; else the blockwise core takes them)."""
         if document_ids is None:
             return self.window_mask(s, device)
         positions = torch.arange(s, device=device)
@@ -176,16 +175,16 @@ class SelfAttention(nn.Module):
         """
         q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
-        if self.skips_masked_blocks(q.shape[2], document_ids, dropout_p):
-            window_left = None if self.window is None else self.window - 1
-            context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
-                                             window_left=window_left, causal=self.causal)
-            return self.merge_heads(context)
+        blockwise = self.skips_masked_blocks(q.shape[2], document_ids)
         grouped = self.groups_per_rank != self.heads_per_rank
-        band = self.dense_mask(q.shape[2], q.device, document_ids)
+        band = None if blockwise else self.dense_mask(q.shape[2], q.device, document_ids)
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
-            if self.backend == "sdpa":
+            if blockwise:
+                window_left = None if self.window is None else self.window - 1
+                context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
+                                                 window_left=window_left, causal=self.causal, dropout_p=dropout_p)
+            elif self.backend == "sdpa":
                 context = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=self.causal and band is None,
                     enable_gqa=grouped,

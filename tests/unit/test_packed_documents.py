@@ -2,8 +2,8 @@
 
 ``document_ids`` from ``data/masks.py`` reach every layer's attention (the blockwise core); each document alone runs
 plain causal attention (SDPA) from position 0, so the check shares no masking code with the packed path. The dense
-fallback (taken with attention dropout) gives the same logits, selective and full recomputation the same gradients,
-and a sliding window composes with the documents.
+fallback (taken under torch.compile) gives the same logits, a sliding window composes with the documents, and
+selective and full recomputation give the same gradients, with attention dropout too (the re-run rebuilds its mask).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from megatron_like.config import ModelConfig
 from megatron_like.data.masks import get_ltor_documents_and_position_ids
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel.random import seed_everything
 
 VOCAB, EOD, S = 64, 63, 24
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
@@ -70,7 +71,7 @@ def test_dense_fallback_and_window_agree_with_the_blockwise_core(monkeypatch):
     with torch.no_grad():
         blockwise = model(tokens, positions, document_ids=documents)
         window_only = model(tokens, positions)
-        # What attention dropout (or torch.compile) takes: the dense [b, 1, s, s] mask of the same pairs.
+        # What torch.compile takes: the dense [b, 1, s, s] mask of the same pairs.
         monkeypatch.setattr(type(model.layers[0].attention), "skips_masked_blocks", lambda *args: False)
         torch.testing.assert_close(model(tokens, positions, document_ids=documents), blockwise, rtol=1e-5,
                                    atol=1e-5)
@@ -78,18 +79,25 @@ def test_dense_fallback_and_window_agree_with_the_blockwise_core(monkeypatch):
     assert (blockwise - window_only).abs().max() > 1e-2  # the documents matter under the window too
 
 
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.2])
 @pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recompute_keeps_the_documents(recompute):
+def test_recompute_keeps_the_documents(recompute, attention_dropout):
     tokens = packed_batch()
     documents, _, positions = get_ltor_documents_and_position_ids(tokens, EOD, reset_attention_mask=True)
     labels = torch.roll(tokens, -1, 1)
 
     def gradients(**overrides):
-        model = model_of(**LLAMA, **overrides).train()
-        model(tokens, positions, labels=labels, document_ids=documents).sum().backward()
-        return {name: p.grad for name, p in model.named_parameters()}
+        model = model_of(**LLAMA, attention_dropout=attention_dropout, **overrides).train()
+        seed_everything(3, tp_rank=0, pp_rank=0)  # the same dropout draws for each run
+        loss = model(tokens, positions, labels=labels, document_ids=documents).sum()
+        loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()} | {"loss": loss.detach()}
 
     expected = gradients()
+    if attention_dropout:  # the dropout is on: another draw gives another loss
+        seed_everything(4, tp_rank=0, pp_rank=0)
+        model = model_of(**LLAMA, attention_dropout=attention_dropout).train()
+        assert abs(model(tokens, positions, labels=labels, document_ids=documents).sum() - expected["loss"]) > 1e-3
     got = gradients(recompute_granularity=recompute,
                     **({"recompute_method": "uniform", "recompute_num_layers": 1} if recompute == "full" else {}))
     for name, grad in expected.items():
