@@ -5,7 +5,8 @@ The data is an indexed dataset of short documents, each ending with the end-of-d
 --vocab-size), so every 32-token sample packs several. The reference rebuilds the same model (weights are drawn by
 name, so the same seed gives the launched run's initial weights) and the same first batch, cuts each sample at its
 end-of-document tokens, runs every document alone from position 0 with plain causal attention, and averages the
-per-token losses over the tokens --eod-mask-loss keeps. The same launch without the reset flags logs another loss.
+per-token losses over the tokens --eod-mask-loss keeps. The same launch without the reset flags logs another loss,
+and at tp2 x pp2 with sequence parallelism (4 ranks: every stage reads its batch's document ids) the same one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ FLAGS = [
     "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
     "--untie-embeddings-and-output-weights", "--init-method-std", "0.3",  # large weights: attention matters
     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(EOD), "--split", "100,0,0", "--num-workers", "0",
-    "--eod-mask-loss",
+    "--eod-mask-loss", "--make-vocab-size-divisible-by", "64",  # 128 rows at tp 1 and 2: the same softmax
 ]
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 
@@ -74,3 +75,5 @@ def test_packed_loss_equals_the_documents_run_one_by_one(tmp_path):
     assert packed == pytest.approx(expected, rel=2e-5)
     crossing = logged_losses(launch(1, FLAGS + data))[1]  # without the flags attention crosses the documents
     assert abs(crossing - expected) > 1e-3 * expected
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    assert logged_losses(launch(4, FLAGS + PACKED + data + layout))[1] == pytest.approx(expected, rel=2e-5)
