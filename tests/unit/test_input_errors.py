@@ -77,6 +77,11 @@ def test_flags_with_no_effect_warn_in_one_line(capsys, monkeypatch):
         "warning: --overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)",
         "warning: --save-interval has no effect without --save",
     ]
+    parse_config_or_exit([f for f in FLAGS if f != "--mock-data"] + ["--data-path", "corpus", "--reset-position-ids",
+                                                                      "--position-embedding-type", "rope"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --reset-position-ids has no effect with --position-embedding-type rope (only learned absolute "
+        "positions read the position ids)"]
 
 
 def test_load_equal_to_save_starts_fresh_with_a_notice(tmp_path, capsys, monkeypatch):
