@@ -178,13 +178,19 @@ def test_plan_skips_the_tiles_without_an_allowed_pair():
 
 
 def test_bfloat16_is_close_to_float64():
+    """Half-precision inputs are computed in float32: output and gradients come back in bfloat16, near float64's."""
     q, k, v, grad_out = inputs(S, S, seed=2)
     options = CASES["window_documents"]
-    out, _ = blockwise_attention(*(t.detach().bfloat16().requires_grad_() for t in (q, k, v)), block_size=4,
-                                 **options)
-    assert out.dtype == torch.bfloat16
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    out, lse = blockwise_attention(*low, block_size=4, **options)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, low, grad_out.bfloat16())
     expected, _ = blockwise_attention(q, k, v, block_size=4, **options)
-    torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    torch.testing.assert_close(out.double(), expected, rtol=0.02, atol=0.02)
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
 
 
 @pytest.mark.parametrize("block_size", [4, 13])

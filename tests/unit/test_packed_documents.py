@@ -64,8 +64,9 @@ def test_packed_logits_equal_each_document_alone(family):
     assert (crossing - expected).abs().max() > 1e-2
 
 
-def test_dense_fallback_and_window_agree_with_the_blockwise_core(monkeypatch):
-    model = model_of(**LLAMA, window_size="4,0").eval()
+@pytest.mark.parametrize("backend", ["sdpa", "local"])
+def test_dense_fallback_and_window_agree_with_the_blockwise_core(monkeypatch, backend):
+    model = model_of(**LLAMA, window_size="4,0", attention_backend=backend).eval()
     tokens = packed_batch()
     documents, _, positions = get_ltor_documents_and_position_ids(tokens, EOD, reset_attention_mask=True)
     with torch.no_grad():
