@@ -120,20 +120,11 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-                            k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
-                            k_documents: torch.Tensor | None = None, window_left: int | None = None,
-                            causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
-                            dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query block over one key block: ``(out, lse)``.
-
-    q ``[b, hq, sq, d]``, k and v ``[b, hkv, sk, d]`` (grouped-query attention: hq a multiple of hkv, query head
-    ``h`` reads key/value head ``h // (hq / hkv)``). Returns out ``[b, hq, sq, d]`` in q's dtype (the softmax over
-    this block's keys only) and lse ``[b, hq, sq]`` in float32 (float64 for float64 inputs); rows with no visible
-    key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`. With ``dropout_p`` the output drops the
-    pairs :func:`dropout_keep` drops (and scales the rest by ``1 / (1 - dropout_p)``); lse is that of the undropped
-    softmax, as flash-attention's.
-    """
+def _tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                  k_positions: torch.Tensor, q_documents: torch.Tensor | None, k_documents: torch.Tensor | None,
+                  window_left: int | None, causal: bool, softmax_scale: float | None, dropout_p: float,
+                  dropout_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_block_forward` of one tile, all its scores at once; out in the compute dtype."""
     b, hq, sq, d = q.shape
     dtype = compute_dtype(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
@@ -147,7 +138,7 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         unnormalized = unnormalized.masked_fill(~keep, 0.0).div_(1.0 - dropout_p)  # the sum above stays undropped
     out = torch.matmul(unnormalized, v.to(dtype).unsqueeze(2)) / row_sum.clamp_min(torch.finfo(dtype).tiny)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)  # -inf + log 0 = -inf, never NaN
-    return out.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
+    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
@@ -166,19 +157,12 @@ def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor
     return out.to(out_a.dtype), lse
 
 
-def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                             lse: torch.Tensor, grad_out: torch.Tensor, *, q_positions: torch.Tensor,
-                             k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
-                             k_documents: torch.Tensor | None = None, window_left: int | None = None,
-                             causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
-                             dropout_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block pair's share of the attention gradients: ``(dq, dk, dv)``.
-
-    ``out`` ``[b, hq, sq, d]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
-    ``grad_out`` its gradient; the other arguments are as in :func:`attention_block_forward`. Summing the shares over
-    every key block gives the exact gradients. Returns dq ``[b, hq, sq, d]``, dk and dv ``[b, hkv, sk, d]`` in the
-    compute dtype (float32 for half inputs), so sums over blocks keep their precision; cast after summing.
-    """
+def _tile_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, *, q_positions: torch.Tensor, k_positions: torch.Tensor,
+                   q_documents: torch.Tensor | None, k_documents: torch.Tensor | None, window_left: int | None,
+                   causal: bool, softmax_scale: float | None, dropout_p: float, dropout_seed: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_block_backward` of one tile, all its scores at once."""
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     dtype = compute_dtype(q.dtype)
@@ -249,51 +233,101 @@ def _tile_masking(q_slice: slice, k_slice: slice, q_positions: torch.Tensor, k_p
                 k_documents=None if k_documents is None else k_documents[:, k_slice])
 
 
+def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                            k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
+                            k_documents: torch.Tensor | None = None, window_left: int | None = None,
+                            causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                            dropout_seed: int = 0, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query block over one key block: ``(out, lse)``.
+
+    q ``[b, hq, sq, d]``, k and v ``[b, hkv, sk, d]`` (grouped-query attention: hq a multiple of hkv, query head
+    ``h`` reads key/value head ``h // (hq / hkv)``). Returns out ``[b, hq, sq, d]`` in q's dtype (the softmax over
+    this block's keys only) and lse ``[b, hq, sq]`` in float32 (float64 for float64 inputs); rows with no visible
+    key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`. With ``dropout_p`` the output drops the
+    pairs :func:`dropout_keep` drops (and scales the rest by ``1 / (1 - dropout_p)``); lse is that of the undropped
+    softmax, as flash-attention's.
+
+    ``block_size``: cut the queries and keys into tiles of that many tokens, skip the tiles :func:`block_plan` rules
+    out and merge the rest (a ring step's big block pair then holds one tile's scores at a time and costs only its
+    allowed tiles); None: the whole block pair is one tile.
+    """
+    options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                   dropout_seed=dropout_seed)
+    if block_size is None:
+        out, lse = _tile_forward(q, k, v, q_positions=q_positions, k_positions=k_positions, q_documents=q_documents,
+                                 k_documents=k_documents, **options)
+        return out.to(q.dtype), lse
+    b, hq, sq, d = q.shape
+    out = q.new_zeros(b, hq, sq, d, dtype=compute_dtype(q.dtype))
+    lse = q.new_full((b, hq, sq), NEG_INF, dtype=out.dtype)
+    plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal, block_size, block_size)
+    for q_slice, k_slices in plan:
+        out_q, lse_q = out[:, :, q_slice], lse[:, :, q_slice]
+        for k_slice in k_slices:
+            part, part_lse = _tile_forward(
+                q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice],
+                **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents), **options,
+            )
+            out_q, lse_q = merge_partials(out_q, lse_q, part, part_lse)
+        out[:, :, q_slice], lse[:, :, q_slice] = out_q, lse_q
+    return out.to(q.dtype), lse
+
+
+def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                             lse: torch.Tensor, grad_out: torch.Tensor, *, q_positions: torch.Tensor,
+                             k_positions: torch.Tensor, q_documents: torch.Tensor | None = None,
+                             k_documents: torch.Tensor | None = None, window_left: int | None = None,
+                             causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                             dropout_seed: int = 0, block_size: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block pair's share of the attention gradients: ``(dq, dk, dv)``.
+
+    ``out`` ``[b, hq, sq, d]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
+    ``grad_out`` its gradient; the other arguments are as in :func:`attention_block_forward`. Summing the shares over
+    every key block gives the exact gradients. Returns dq ``[b, hq, sq, d]``, dk and dv ``[b, hkv, sk, d]`` in the
+    compute dtype (float32 for half inputs), so sums over blocks keep their precision; cast after summing.
+    ``block_size``: tiled as in :func:`attention_block_forward`.
+    """
+    options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                   dropout_seed=dropout_seed)
+    if block_size is None:
+        return _tile_backward(q, k, v, out, lse, grad_out, q_positions=q_positions, k_positions=k_positions,
+                              q_documents=q_documents, k_documents=k_documents, **options)
+    dtype = compute_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+    plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal, block_size, block_size)
+    for q_slice, k_slices in plan:
+        for k_slice in k_slices:
+            dq_part, dk_part, dv_part = _tile_backward(
+                q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice], out[:, :, q_slice], lse[:, :, q_slice],
+                grad_out[:, :, q_slice],
+                **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents), **options,
+            )
+            dq[:, :, q_slice] += dq_part
+            dk[:, :, k_slice] += dk_part
+            dv[:, :, k_slice] += dv_part
+    return dq, dk, dv
+
+
 class BlockwiseAttention(torch.autograd.Function):
     """Single-process attention over the allowed tiles; see :func:`blockwise_attention`."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_positions, k_positions, q_documents, k_documents, window_left, causal,
                 softmax_scale, block_size, dropout_p, dropout_seed):
-        b, hq, sq, d = q.shape
-        dtype = compute_dtype(q.dtype)
-        plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal,
-                          block_size, block_size)
-        options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                       dropout_seed=dropout_seed)
-        out = q.new_zeros(b, hq, sq, d, dtype=dtype)
-        lse = q.new_full((b, hq, sq), NEG_INF, dtype=dtype)
-        for q_slice, k_slices in plan:
-            out_q, lse_q = out[:, :, q_slice], lse[:, :, q_slice]
-            for k_slice in k_slices:
-                part, part_lse = attention_block_forward(
-                    q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice],
-                    **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents), **options,
-                )
-                out_q, lse_q = merge_partials(out_q, lse_q, part, part_lse)
-            out[:, :, q_slice], lse[:, :, q_slice] = out_q, lse_q
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, q_positions, k_positions, q_documents, k_documents)
-        ctx.plan, ctx.options = plan, options
+        ctx.options = dict(q_positions=q_positions, k_positions=k_positions, q_documents=q_documents,
+                           k_documents=k_documents, window_left=window_left, causal=causal,
+                           softmax_scale=softmax_scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                           block_size=block_size)
+        out, lse = attention_block_forward(q, k, v, **ctx.options)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        q, k, v, out, lse, q_positions, k_positions, q_documents, k_documents = ctx.saved_tensors
-        dtype = compute_dtype(q.dtype)
-        dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
-        for q_slice, k_slices in ctx.plan:
-            for k_slice in k_slices:
-                dq_part, dk_part, dv_part = attention_block_backward(
-                    q[:, :, q_slice], k[:, :, k_slice], v[:, :, k_slice], out[:, :, q_slice], lse[:, :, q_slice],
-                    grad_out[:, :, q_slice],
-                    **_tile_masking(q_slice, k_slice, q_positions, k_positions, q_documents, k_documents),
-                    **ctx.options,
-                )
-                dq[:, :, q_slice] += dq_part
-                dk[:, :, k_slice] += dk_part
-                dv[:, :, k_slice] += dv_part
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_block_backward(q, k, v, out, lse, grad_out, **ctx.options)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *[None] * 10
 
 

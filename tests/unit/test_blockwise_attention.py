@@ -123,9 +123,11 @@ def test_queries_that_see_no_key_give_zero_output_and_gradient():
     assert (merged == 0).all() and torch.isneginf(merged_lse).all()
 
 
+@pytest.mark.parametrize("tile", [None, 3])
 @pytest.mark.parametrize("case", ["causal", "window_documents"])
-def test_ring_contract_blocks_merge_and_gradients_sum(case):
-    """Key blocks processed one at a time, as a ring step sees them (in a scrambled order), give the whole answer."""
+def test_ring_contract_blocks_merge_and_gradients_sum(case, tile):
+    """Key blocks processed one at a time, as a ring step sees them (in a scrambled order), give the whole answer;
+    ``tile``: each step also tiles its block pair (``block_size``)."""
     options = dict(CASES[case])
     documents = options.pop("q_documents", None)
     q, k, v, grad_out = inputs(S, S, seed=1)
@@ -137,7 +139,7 @@ def test_ring_contract_blocks_merge_and_gradients_sum(case):
 
     def block_options(block):
         return dict(q_positions=positions, k_positions=positions[block], q_documents=documents,
-                    k_documents=None if documents is None else documents[:, block], **options)
+                    k_documents=None if documents is None else documents[:, block], block_size=tile, **options)
 
     with torch.no_grad():
         out = lse = None
