@@ -62,7 +62,7 @@ def get_batch(data_iterator: Iterator | None, device: torch.device, eod_token: i
     packed documents' ids (None without --reset-attention-mask); ``data`` holds the packed-document flags
     (--eod-mask-loss, --reset-position-ids, --reset-attention-mask; None: all off) and ``eod_token`` is the data's
     end-of-document id (None for mock data, where --eod-mask-loss masks nothing)."""
-    data = data or DataConfig(mock_data=True)
+    data = data or DataConfig()
     text = next(data_iterator)["text"].to(device)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     document_ids, loss_mask, positions = get_ltor_documents_and_position_ids(
