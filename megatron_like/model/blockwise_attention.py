@@ -258,7 +258,9 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                                  k_documents=k_documents, **options)
         return out.to(q.dtype), lse
     b, hq, sq, d = q.shape
-    out = q.new_zeros(b, hq, sq, d, dtype=compute_dtype(q.dtype))
+    # Laid out sequence first, as SDPA lays out its output: the model's merge of the heads into [s, b, h] is then
+    # a view, not a copy kept for backward by the projection after it.
+    out = q.new_zeros(sq, b, hq, d, dtype=compute_dtype(q.dtype)).permute(1, 2, 0, 3)
     lse = q.new_full((b, hq, sq), NEG_INF, dtype=out.dtype)
     plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal, block_size, block_size)
     for q_slice, k_slices in plan:
