@@ -174,6 +174,9 @@ def no_effect_warnings(config: Config) -> list[str]:
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
+    if config.data.reset_position_ids and m.position_embedding_type != "learned_absolute":
+        warnings.append(f"--reset-position-ids has no effect with --position-embedding-type {m.position_embedding_type}"
+                        " (only learned absolute positions read the position ids)")
     return warnings
 
 

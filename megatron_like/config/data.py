@@ -33,6 +33,12 @@ class DataConfig:
     """Data loader worker processes."""
     eod_mask_loss: bool = False
     """Do not train on the prediction made at an end-of-document token (the next document's first token)."""
+    reset_position_ids: bool = False
+    """Restart the position ids at 0 after each end-of-document token (packed documents; learned absolute
+    positions see it, RoPE is relative and attention within a document is the same either way)."""
+    reset_attention_mask: bool = False
+    """Attention stops at each end-of-document token: a token sees only its own document of a packed sample
+    (document ids reach attention, which skips the other documents' key blocks; no [s, s] mask)."""
 
     def validate(self) -> None:
         _require(
@@ -48,3 +54,7 @@ class DataConfig:
             len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
             f"--split {self.split!r} needs up to three non-negative numbers with a positive sum",
         )
+        for flag, on in (("--reset-position-ids", self.reset_position_ids),
+                         ("--reset-attention-mask", self.reset_attention_mask)):
+            _require(not (on and self.mock_data),
+                     f"{flag} needs end-of-document tokens and --mock-data has none: pass --data-path")

@@ -19,6 +19,7 @@ from megatron_like.model.blockwise_attention import (
     attention_block_forward,
     block_plan,
     blockwise_attention,
+    dropout_keep,
     merge_partials,
 )
 
@@ -40,15 +41,17 @@ def reference_mask(q_positions, k_positions, q_documents, k_documents, window_le
     return mask
 
 
-def reference_attention(q, k, v, mask):
-    """Dense softmax attention with the key/value heads repeated per query group; rows with no key give 0."""
+def reference_attention(q, k, v, mask, dropout_scale=None):
+    """Dense softmax attention with the key/value heads repeated per query group; rows with no key give 0;
+    ``dropout_scale`` [b, h, sq, sk] multiplies the probabilities (0 where dropped, 1 / (1 - p) where kept)."""
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     mask = mask[:, None]
     seen = mask.any(-1, keepdim=True)
     scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~seen, 0.0)
-    return torch.matmul(torch.softmax(scores, -1) * seen, v)
+    probs = torch.softmax(scores, -1) * seen
+    return torch.matmul(probs if dropout_scale is None else probs * dropout_scale, v)
 
 
 def inputs(sq, sk, seed=0):
@@ -120,9 +123,11 @@ def test_queries_that_see_no_key_give_zero_output_and_gradient():
     assert (merged == 0).all() and torch.isneginf(merged_lse).all()
 
 
+@pytest.mark.parametrize("tile", [None, 3])
 @pytest.mark.parametrize("case", ["causal", "window_documents"])
-def test_ring_contract_blocks_merge_and_gradients_sum(case):
-    """Key blocks processed one at a time, as a ring step sees them (in a scrambled order), give the whole answer."""
+def test_ring_contract_blocks_merge_and_gradients_sum(case, tile):
+    """Key blocks processed one at a time, as a ring step sees them (in a scrambled order), give the whole answer;
+    ``tile``: each step also tiles its block pair (``block_size``)."""
     options = dict(CASES[case])
     documents = options.pop("q_documents", None)
     q, k, v, grad_out = inputs(S, S, seed=1)
@@ -134,7 +139,7 @@ def test_ring_contract_blocks_merge_and_gradients_sum(case):
 
     def block_options(block):
         return dict(q_positions=positions, k_positions=positions[block], q_documents=documents,
-                    k_documents=None if documents is None else documents[:, block], **options)
+                    k_documents=None if documents is None else documents[:, block], block_size=tile, **options)
 
     with torch.no_grad():
         out = lse = None
@@ -175,10 +180,44 @@ def test_plan_skips_the_tiles_without_an_allowed_pair():
 
 
 def test_bfloat16_is_close_to_float64():
+    """Half-precision inputs are computed in float32: output and gradients come back in bfloat16, near float64's."""
     q, k, v, grad_out = inputs(S, S, seed=2)
     options = CASES["window_documents"]
-    out, _ = blockwise_attention(*(t.detach().bfloat16().requires_grad_() for t in (q, k, v)), block_size=4,
-                                 **options)
-    assert out.dtype == torch.bfloat16
+    low = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    out, lse = blockwise_attention(*low, block_size=4, **options)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out, low, grad_out.bfloat16())
     expected, _ = blockwise_attention(q, k, v, block_size=4, **options)
-    torch.testing.assert_close(out.double(), expected, rtol=0.05, atol=0.05)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), grad_out)
+    torch.testing.assert_close(out.double(), expected, rtol=0.02, atol=0.02)
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("block_size", [4, 13])
+def test_dropout_equals_dense_attention_with_the_same_pairs_dropped(block_size):
+    """The mask is a function of (seed, sample, head, query position, key position): any tiling gives the same
+    output, and the gradients are those of dense attention that drops the same pairs."""
+    p, seed = 0.3, 1234
+    q, k, v, grad_out = inputs(S, S, seed=3)
+    options = CASES["window_documents"]
+    positions = torch.arange(S)
+    mask = reference_mask(positions, positions, DOCS, DOCS, options["window_left"], True)
+    keep = dropout_keep(seed, B, HQ, positions, positions, p)
+    out, _ = blockwise_attention(q, k, v, block_size=block_size, dropout_p=p, dropout_seed=seed, **options)
+    expected = reference_attention(q, k, v, mask, keep.double() / (1 - p))
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad_out),
+                         torch.autograd.grad(expected, (q, k, v), grad_out)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_keeps_one_minus_p_of_the_pairs_and_follows_the_seed():
+    positions = torch.arange(256)
+    keep = dropout_keep(7, 2, 4, positions, positions, 0.25)
+    assert abs(keep.double().mean().item() - 0.75) < 0.005  # 524288 draws: the standard error is 0.0006
+    assert abs(keep[:, :, :, ::2].double().mean().item() - 0.75) < 0.005  # no pattern along the keys
+    other = dropout_keep(8, 2, 4, positions, positions, 0.25)
+    assert 0.3 < (keep != other).double().mean().item() < 0.45  # independent: 2 * 0.25 * 0.75 differ
+    assert torch.equal(dropout_keep(7, 2, 4, positions[100:], positions[:50], 0.25), keep[:, :, 100:, :50])

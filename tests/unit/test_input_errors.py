@@ -55,6 +55,7 @@ def test_bad_flags_and_paths_stop_before_any_process_group_in_one_line_printed_o
         f"--save {not_a_dir / 'sub'}": f"--save {not_a_dir / 'sub'} cannot be created",
         f"--data-path 0.5 {tmp_path / 'only'} 0.5 {tmp_path / 'none'}": f"{tmp_path / 'only'}.idx not found",
         f"--data-path {tmp_path / 'none'}": f"{tmp_path / 'none'}.bin and {tmp_path / 'none'}.idx not found",
+        "--reset-attention-mask": "--reset-attention-mask needs end-of-document tokens and --mock-data has none",
     }
     for extra, expected in cases.items():
         argv = FLAGS + extra.split()
@@ -122,6 +123,11 @@ def test_flags_with_no_effect_warn_in_one_line(capsys, monkeypatch):
         "warning: --overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)",
         "warning: --save-interval has no effect without --save",
     ]
+    parse_config_or_exit([f for f in FLAGS if f != "--mock-data"] + ["--data-path", "corpus", "--reset-position-ids",
+                                                                      "--position-embedding-type", "rope"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --reset-position-ids has no effect with --position-embedding-type rope (only learned absolute "
+        "positions read the position ids)"]
 
 
 def test_load_equal_to_save_starts_fresh_with_a_notice(tmp_path, capsys, monkeypatch):
