@@ -200,6 +200,10 @@ def reshard(args: argparse.Namespace) -> str:
     iteration = latest_iteration(args.load)
     if iteration is None:
         raise CheckpointError(f"--load {args.load} holds no latest_checkpointed_iteration.txt")
+    if is_dist_checkpoint(args.load, iteration):  # its index vetted and its files there before any pass starts
+        from megatron_like.training.dist_checkpointing import open_dist_checkpoint
+
+        open_dist_checkpoint(iteration_dir(args.load, iteration))
     saved, saved_dp = saved_layout(args.load, iteration)
     p = saved.parallel
     source = layout_config(saved, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

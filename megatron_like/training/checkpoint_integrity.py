@@ -224,7 +224,7 @@ def verify_archive(source: str | IO[bytes], what: str) -> bool:
                             pass
                 except zipfile.BadZipFile as error:
                     if "CRC" in str(error):
-                        raise corrupt(what, record.filename) from None
+                        raise corrupt(what, record.filename.split("/", 1)[-1]) from None
                     raise
     except (zipfile.BadZipFile, EOFError, ValueError, struct.error, NotImplementedError) as error:
         raise CheckpointError(f"checkpoint file {what} is truncated or corrupt ({error}); {EARLIER}") from None

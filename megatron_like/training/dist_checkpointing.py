@@ -179,7 +179,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         return _piece_at(self.state_dict[index.fqn], index.offset)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)  # UnpicklingError: _one_line
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,6 +402,10 @@ def _one_line(error: BaseException, path: str) -> ckpt.CheckpointError:
         rank, (error, _) = min(error.failures.items())
         if isinstance(error, ckpt.CheckpointError):
             return ckpt.CheckpointError(str(error))
+    if isinstance(error, pickle.UnpicklingError):  # weights-only loading met an object it will not build
+        return ckpt.CheckpointError(f"checkpoint {path} is refused: a piece's pickle holds objects other than tensors, "
+                                    "numbers and strings; this code never writes that, so the file is not one of its "
+                                    "checkpoints (or was tampered with)")
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
     where = f" on rank {rank}" if rank is not None else ""
     return ckpt.CheckpointError(f"reading checkpoint {path} failed{where}: {type(error).__name__}: {text}; {EARLIER}")
