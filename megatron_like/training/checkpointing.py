@@ -218,9 +218,10 @@ def read_tracker(tracker: str) -> int:
             raw = f.read(64)
     except OSError as error:
         raise CheckpointError(f"{tracker} cannot be read: {error.strerror or error}") from None
-    text = raw.decode("ascii", errors="backslashreplace").strip()
+    text = raw.strip()
     if not (text.isascii() and text.isdigit()):
-        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
+        shown = repr(text[:40].decode()) if text.isascii() else repr(text[:40])  # bytes that are no text: b'\xff'
+        raise CheckpointError(f"{tracker} holds {shown}, not an iteration number; write the number of a "
                               "saved iteration into it (or delete it to start from scratch)")
     return int(text)
 

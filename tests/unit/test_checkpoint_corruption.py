@@ -102,6 +102,19 @@ def rewrite_index(it: Path, relative_path: str) -> None:
     (it / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def hostile_piece(it: Path, sentinel: Path) -> None:
+    """Append a torch.save archive (valid checksums) whose pickle runs the payload, and point the RNG entry at it."""
+    metadata = read_dcp_metadata(str(it))
+    buffer = io.BytesIO()
+    torch.save({"state": Payload(sentinel)}, buffer)
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn.startswith("rng."))
+    path = it / info.relative_path
+    info.offset, info.length = path.stat().st_size, len(buffer.getvalue())
+    with open(path, "ab") as f:
+        f.write(buffer.getvalue())
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 @dataclass
 class Case:
     fmt: str
@@ -152,6 +165,8 @@ CASES = [
          f"{{it}}/__0_0.distcp (piece {EMBEDDING} at [0, 0]) is corrupt: its record data/0 fails its CRC-32"),
     Case("torch_dist", "64 bytes of a plain value overwritten", lambda r, s: flip(*distcp_value(r / ITER)),
          "{it}/__0_0.distcp (piece rng.tp0.pp0.dp0) is corrupt: its record", tools=None),
+    Case("torch_dist", "hostile pickle in a piece", lambda r, s: hostile_piece(r / ITER, s),
+         "checkpoint {it} is refused: a piece's pickle holds objects other than tensors", tools=None),
     Case("torch_dist", "missing common.pt", lambda r, s: (r / ITER / "common.pt").unlink(),
          "{it}/common.pt is missing"),
     Case("torch_dist", "hostile common.pt", lambda r, s: torch.save({"config": Payload(s)}, r / ITER / "common.pt"),
@@ -160,7 +175,7 @@ CASES = [
          f"checkpoint {{it}} holds {EMBEDDING} with 256 rows (a vocabulary of 249 to 256 tokens, padded to a multiple "
          "of 8), this model has 304 (a vocabulary of 297 to 304): a different vocabulary", tools=None,
          flags=("--vocab-size", "300")),
-    Case("torch_dist", "tracker with non-UTF-8 bytes", _non_utf8_tracker, "holds '\\\\xff\\\\xfe1', not an iteration"),
+    Case("torch_dist", "tracker with non-UTF-8 bytes", _non_utf8_tracker, "holds b'\\xff\\xfe1', not an iteration"),
     Case("torch", "hostile pickle", lambda r, s: torch.save({"iteration": 1, "config": {}, "model": [Payload(s)]},
                                                             _torch_file(r)),
          "{it}/mp_rank_00_000/model_optim_rng.pt is refused: its pickle holds a reference to posix.system"),
@@ -176,7 +191,7 @@ CASES = [
     Case("torch", "another vocabulary", lambda r, s: None,
          "embedding.word_embeddings.weight has shape (256, 64), this model has (304, 64)", tools=None,
          flags=("--vocab-size", "300")),
-    Case("torch", "tracker with non-UTF-8 bytes", _non_utf8_tracker, "holds '\\\\xff\\\\xfe1', not an iteration"),
+    Case("torch", "tracker with non-UTF-8 bytes", _non_utf8_tracker, "holds b'\\xff\\xfe1', not an iteration"),
 ]
 
 
@@ -287,3 +302,41 @@ def test_tools_command_lines_print_one_line(saved, tool, fmt, name, tmp_path, mo
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert code != 0 and len(errors) == 1 and expected in errors[0] and "Traceback" not in err, err
     assert not sentinel.exists() and not (out_dir / ITER).exists()
+
+
+def test_a_piece_broken_for_one_rank_only_stops_every_rank_at_the_load(tmp_path):
+    """torch format at dp 2: only rank 1 reads optim_rng_dp_001.pt (its generators). Its bytes fail their checksum
+    when the load reads them: rank 0, whose files are sound, stops with rank 1's line instead of training alone."""
+    from tests.distributed.harness import run_distributed
+
+    root = tmp_path / "ckpt"
+    run_distributed(train_gpt, 2, ["--train-iters", "1", "--save", str(root), "--ckpt-format", "torch"], timeout=120)
+    own = root / ITER / "mp_rank_00_000" / "optim_rng_dp_001.pt"
+    flip(own, torch_tensor_record(own))
+    results = run_distributed(_load_and_report, 2, root, timeout=120)
+    assert results[0] == results[1] and results[0].startswith(f"checkpoint file {own} is corrupt"), results
+
+
+def _load_and_report(rank: int, world_size: int, root: Path) -> str:
+    try:
+        train_gpt(rank, world_size, ["--train-iters", "2", "--load", str(root), "--distributed-timeout-minutes", "0.3"])
+    except CheckpointError as error:
+        return str(error)
+    return "trained"
+
+
+@pytest.mark.parametrize("what", ["a file", "a tracker with non-UTF-8 bytes"])
+def test_load_paths_are_one_line_before_any_process_group(what, tmp_path, capsys, monkeypatch):
+    from tests.unit.test_input_errors import FLAGS, stderr_of_main
+
+    if what == "a file":
+        load = tmp_path / "model_optim_rng.pt"
+        load.write_bytes(b"x")
+        expected = f"--load {load} is a file; pass the checkpoint directory"
+    else:
+        load = tmp_path
+        _non_utf8_tracker(tmp_path, tmp_path)
+        expected = "latest_checkpointed_iteration.txt holds b'\\xff\\xfe1', not an iteration number"
+    code, err = stderr_of_main(FLAGS + ["--load", str(load)], capsys, monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
