@@ -115,6 +115,13 @@ def hostile_piece(it: Path, sentinel: Path) -> None:
     (it / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def drop_storage_entry(it: Path, key: str) -> None:
+    """Remove the storage entry of ``key``'s first piece from the index (an index that lost a line)."""
+    metadata = read_dcp_metadata(str(it))
+    del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == key)]
+    (it / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 @dataclass
 class Case:
     fmt: str
@@ -151,6 +158,10 @@ CASES = [
          "{it}/.metadata names the storage file '../x.distcp', which is not a plain .distcp file name inside"),
     Case("torch_dist", "absolute storage path", lambda r, s: rewrite_index(r / ITER, "/etc/passwd"),
          "{it}/.metadata names the storage file '/etc/passwd', which is not a plain"),
+    Case("torch_dist", ".metadata of another object", lambda r, s: _metadata(r).write_bytes(pickle.dumps({"a": 1})),
+         "{it}/.metadata is not a DCP index this code reads: it holds a dict"),
+    Case("torch_dist", "index without a piece's storage entry", lambda r, s: drop_storage_entry(r / ITER, EMBEDDING),
+         f"{{it}}/.metadata is not a DCP index this code reads: {EMBEDDING}'s piece at [0, 0] has no storage entry"),
     Case("torch_dist", "truncated .metadata", lambda r, s: cut(_metadata(r), 0.5),
          "{it}/.metadata is truncated or not a DCP index"),
     Case("torch_dist", "zero-byte .metadata", lambda r, s: cut(_metadata(r), 0), "{it}/.metadata is empty (0 bytes)"),
