@@ -8,7 +8,13 @@
   the tensors are not copied): a truncated or garbage file, an unreadable one and a pickle that holds
   anything but tensors, numbers, strings and containers (an "unsafe pickle") are refused;
 * the saved model shape and parallel layout equal this run's (``check_compatible``), the saved
-  tensors have this rank's names and shapes, and ZeRO optimizer shards fit the data-parallel layout.
+  tensors have this rank's names and shapes, and ZeRO optimizer shards fit the data-parallel layout;
+* torch_dist: ``common.pt``, the DCP index (unpickled with an allow-list, storage names plain), every
+  ``.distcp`` file it names (present, long enough) and this rank's keys and shapes, vocabulary included
+  (``dist_checkpointing.check_dist_checkpoint``).
+
+The checksums of every byte are verified by the load itself as it reads them (``checkpoint_integrity.py``);
+``load_checkpoint`` and DCP make every rank agree on a failure there too.
 
 Then the ranks agree (:func:`megatron_like.collectives.first_error`): if any rank found a problem, every
 rank raises the same one-line :class:`CheckpointError` naming the file and the problem, so no rank

@@ -20,7 +20,8 @@ without ZeRO), ``scheduler`` and ``rng`` (python, numpy, torch and the tensor-pa
 Crash safety: every file is written under a temporary name, fsynced and renamed; ranks then meet at a
 barrier and only afterwards rank 0 replaces the tracker the same way. A save killed at any point leaves
 the previous tracker pointing at a complete checkpoint. Loading uses ``torch.load(weights_only=True)``:
-tensors, numbers, strings and containers only, never arbitrary pickle.
+tensors, numbers, strings and containers only, never arbitrary pickle, after checking the CRC-32 that
+torch.save wrote for every record (``checkpoint_integrity.py``).
 """
 
 from __future__ import annotations

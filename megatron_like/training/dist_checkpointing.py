@@ -24,6 +24,9 @@ tp-replicated tensors, dp rank 0 without ZeRO, expert-dp rank 0 for its experts:
 to one rank of one layout: they are restored when tp, pp, dp and ep sizes are the saved ones, and
 otherwise the run keeps its generators seeded from --seed.
 
+Reading: the index is unpickled only by ``checkpoint_integrity.read_dcp_metadata`` (an allow-list) and handed
+to DCP by the reader; every piece read is checked against the CRC-32 its archive was saved with.
+
 DCP runs its own collectives (gathering the rank plans, a barrier at the end) on the default process
 group, so its ``save`` and ``load`` are called here rather than through ``megatron_like/collectives.py``.
 """
