@@ -351,3 +351,21 @@ def test_load_paths_are_one_line_before_any_process_group(what, tmp_path, capsys
     code, err = stderr_of_main(FLAGS + ["--load", str(load)], capsys, monkeypatch)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
+
+
+def test_generation_stops_every_pipeline_stage_when_one_stage_reads_a_broken_piece(saved, tmp_path):
+    """tools/generate.py at pp 2: only the second stage reads layer 3. Its piece fails its checksum on rank 1;
+    rank 0, whose layers are sound, stops with rank 1's line instead of waiting for it in generation."""
+    from tests.distributed.harness import run_distributed
+    from tests.e2e.cli import _run_script_rank
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved["torch_dist"], root)
+    broken_piece, start = distcp_piece(root / ITER, "model.layers.3.mlp.fc1.weight")
+    flip(broken_piece, start)
+    argv = ["--load", str(root), "--pipeline-model-parallel-size", "2", "--prompt-ids", "1 2 3",
+            "--max-new-tokens", "2", "--greedy", "--distributed-timeout-minutes", "0.3"]
+    results = run_distributed(_run_script_rank, 2, "tools/generate.py", argv, True, False, timeout=120)
+    lines = [[line for line in err.splitlines() if line.startswith("error: ")] for _, _, err in results]
+    assert [code for code, _, _ in results] == [2, 2], results
+    assert len(lines[0]) == 1 and "model.layers.3.mlp.fc1.weight" in lines[0][0] and "is corrupt" in lines[0][0], lines
