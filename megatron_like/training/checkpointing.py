@@ -20,15 +20,17 @@ without ZeRO), ``scheduler`` and ``rng`` (python, numpy, torch and the tensor-pa
 Crash safety: every file is written under a temporary name, fsynced and renamed; ranks then meet at a
 barrier and only afterwards rank 0 replaces the tracker the same way. A save killed at any point leaves
 the previous tracker pointing at a complete checkpoint. Loading uses ``torch.load(weights_only=True)``:
-tensors, numbers, strings and containers only, never arbitrary pickle.
+tensors, numbers, strings and containers only, never arbitrary pickle, after checking the CRC-32 that
+torch.save wrote for every record (``checkpoint_integrity.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -100,6 +102,24 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
     finally:
         os.close(directory)
     _fault("renamed")
+
+
+@contextlib.contextmanager
+def checksummed_saves() -> Iterator[None]:
+    """torch.save writes the CRC-32 of every record of its archive (its default, forced on here): the
+    checksums every load verifies (``checkpoint_integrity.py``)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def save_atomically(path: str, state: dict[str, Any]) -> None:
+    """``torch.save(state)`` to ``path`` through :func:`write_atomically`, every record with its CRC-32."""
+    with checksummed_saves():
+        write_atomically(path, lambda f: torch.save(state, f))
 
 
 def rng_state() -> dict[str, Any]:
@@ -179,7 +199,7 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             dp_size=ps.dp_size,
         )
-    write_atomically(rank_file(path, replica), lambda f: torch.save(state, f))
+    save_atomically(rank_file(path, replica), state)
     comm.barrier()
     if ps.rank == 0:
         write_tracker(root, iteration)
@@ -193,16 +213,27 @@ def write_tracker(root: str, iteration: int) -> None:
     write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
 
 
+def read_tracker(tracker: str) -> int:
+    """The iteration the tracker file ``tracker`` names; a one-line CheckpointError when it holds anything else."""
+    try:
+        with open(tracker, "rb") as f:
+            raw = f.read(64)
+    except OSError as error:
+        raise CheckpointError(f"{tracker} cannot be read: {error.strerror or error}") from None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):
+        shown = repr(text[:40].decode()) if text.isascii() else repr(text[:40])  # bytes that are no text: b'\xff'
+        raise CheckpointError(f"{tracker} holds {shown}, not an iteration number; write the number of a "
+                              "saved iteration into it (or delete it to start from scratch)")
+    return int(text)
+
+
 def latest_iteration(root: str) -> int | None:
     """The iteration ``<root>/latest_checkpointed_iteration.txt`` names (None when there is none)."""
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.exists(tracker):
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number; fix or delete it")
-    return int(text)
+    return read_tracker(tracker)
 
 
 DIST_COMMON_FILE = "common.pt"
@@ -286,7 +317,21 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
 
     The model must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model,
     write_back=True)``). With ``--finetune`` only the weights are read and (0, 0) is returned.
+    Every byte read is checked against its checksum; when any rank finds a problem, every rank raises the
+    same one-line CheckpointError (call on all ranks together, after ``validate_checkpoint``).
     """
+    try:
+        loaded, error = _load_checkpoint(root, config, ps, model, optimizer, scheduler), None
+    except CheckpointError as problem:
+        loaded, error = (0, 0), str(problem)
+    agreed = comm.first_error(error, comm.world_group(), ps.device)
+    if agreed is not None:
+        raise CheckpointError(agreed)
+    return loaded
+
+
+def _load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn.Module],
+                     optimizer: Any, scheduler: Any) -> tuple[int, int]:
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")

@@ -52,9 +52,9 @@ def check_load_dir(load: str, save: str | None) -> None:
     """``--load`` names a checkpoint (or equals ``--save``, which may not hold one yet)."""
     resume_pattern = _same_directory(load, save)
     tracker = os.path.join(load, TRACKER_FILE)
-    if os.path.exists(load) and not os.path.isdir(load):
-        raise ConfigError(f"--load {load} is a file, not a checkpoint directory; pass the directory that holds "
-                          f"{TRACKER_FILE}")
+    if os.path.isfile(load):
+        raise ConfigError(f"--load {load} is a file; pass the checkpoint directory (the one holding {TRACKER_FILE} "
+                          "and the iter_ directories)")
     if not os.path.exists(tracker):
         if resume_pattern:
             return
@@ -63,17 +63,15 @@ def check_load_dir(load: str, save: str | None) -> None:
                               "directory as --save to resume a run that may not have saved yet)")
         raise ConfigError(f"--load {load} holds no {TRACKER_FILE}: it is not a checkpoint directory (a "
                           "checkpoint is <dir>/iter_XXXXXXX plus that file)")
+    from megatron_like.training.checkpointing import CheckpointError, read_tracker  # imports torch
+
     try:
-        with open(tracker) as f:
-            text = f.read().strip()
-    except OSError as error:
-        raise ConfigError(f"{tracker} cannot be read: {error.strerror or error}") from None
-    if not text.isdigit():
-        raise ConfigError(f"{tracker} holds {text[:40]!r}, not an iteration number; write the number of a "
-                          "saved iteration into it (or delete it to start from scratch)")
-    iteration_dir = os.path.join(load, f"iter_{int(text):07d}")
+        iteration = read_tracker(tracker)
+    except CheckpointError as error:
+        raise ConfigError(str(error)) from None
+    iteration_dir = os.path.join(load, f"iter_{iteration:07d}")
     if not os.path.isdir(iteration_dir):
-        raise ConfigError(f"{tracker} names iteration {int(text)} but {iteration_dir} does not exist; write "
+        raise ConfigError(f"{tracker} names iteration {iteration} but {iteration_dir} does not exist; write "
                           "the number of an existing iter_ directory into it")
 
 
