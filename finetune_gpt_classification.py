@@ -37,8 +37,6 @@ from megatron_like.training.loop import TrainingResult, check_supported
 from tasks.common import parse_task_args, print_last_rank, run_or_exit
 from tasks.evaluation import classification_counts, evaluate_dataset
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class ClassificationConfig:
@@ -89,7 +87,7 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     chunk = GPTClassificationModel(
         config.model, ps, vocab_size=padded_vocab_size, num_classes=task.num_classes, seed=config.training.seed,
         layers=layers, pre_process=pre_process, post_process=post_process,
-        sequence_parallel=config.parallel.sequence_parallel, dtype=DTYPES[config.params_dtype_name],
+        sequence_parallel=config.parallel.sequence_parallel, dtype=getattr(torch, config.params_dtype_name),
     )
     if task.pretrained_checkpoint:
         fresh = load_pretrained_gpt(chunk, task.pretrained_checkpoint)

@@ -17,16 +17,15 @@ from typing import Any
 import torch
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config, parse_config_or_exit, print_once
+from megatron_like.config import Config, DataConfig, parse_config_or_exit, print_once
+from megatron_like.data.masks import get_ltor_documents_and_position_ids
 from megatron_like.model import GPTModel
 from megatron_like.model.context_parallel import sequence_mean_loss, split_batch
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 from megatron_like.training.loop import check_supported
-from megatron_like.training.preflight import check_data_prefixes
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from megatron_like.training.preflight import check_gpt_data
 
 
 def vocab_and_eod(config: Config) -> tuple[int, int | None]:
@@ -47,7 +46,7 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     model = GPTModel(
         config.model, ps, vocab_size=padded_vocab_size, seed=config.training.seed, layers=layers,
         pre_process=pre_process, post_process=post_process,
-        sequence_parallel=config.parallel.sequence_parallel, dtype=DTYPES[config.params_dtype_name],
+        sequence_parallel=config.parallel.sequence_parallel, dtype=getattr(torch, config.params_dtype_name),
     )
     if config.model.qat:
         from megatron_like.quantization import insert_fake_quant
@@ -56,19 +55,20 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     return model
 
 
-def get_batch(data_iterator: Iterator | None, device: torch.device,
-              eod_token: int | None = None) -> dict[str, torch.Tensor]:
-    """Split ``text [b, s + 1]`` into inputs ``[b, s]``, shifted labels ``[b, s]``, positions and loss mask.
-
-    With ``eod_token`` (--eod-mask-loss) the loss mask is 0 where the input is end-of-document.
-    """
+def get_batch(data_iterator: Iterator | None, device: torch.device, eod_token: int | None = None,
+              data: DataConfig | None = None) -> dict[str, torch.Tensor | None]:
+    """Split ``text [b, s + 1]`` into inputs ``[b, s]``, shifted labels ``[b, s]``, positions, loss mask and the
+    packed documents' ids (None without --reset-attention-mask); ``data`` holds the packed-document flags
+    (--eod-mask-loss, --reset-position-ids, --reset-attention-mask; None: all off) and ``eod_token`` is the data's
+    end-of-document id (None for mock data, where --eod-mask-loss masks nothing)."""
+    data = data or DataConfig()
     text = next(data_iterator)["text"].to(device)
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    positions = torch.arange(tokens.shape[1], device=device).unsqueeze(0).expand_as(tokens)
-    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
-    if eod_token is not None:
-        loss_mask[tokens == eod_token] = 0.0
-    return {"tokens": tokens, "labels": labels, "position_ids": positions, "loss_mask": loss_mask}
+    document_ids, loss_mask, positions = get_ltor_documents_and_position_ids(
+        tokens, eod_token, reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss and eod_token is not None)
+    return {"tokens": tokens, "labels": labels, "position_ids": positions, "loss_mask": loss_mask,
+            "document_ids": document_ids}
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
@@ -85,14 +85,16 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(data_iterator: Iterator | None, model: GPTModel,
-                 eod_token: int | None = None) -> tuple[torch.Tensor, Callable]:
-    """Run one micro batch through ``model``; return its output and how to turn it into a loss.
+def forward_step(data_iterator: Iterator | None, model: GPTModel, eod_token: int | None = None,
+                 data: DataConfig | None = None) -> tuple[torch.Tensor, Callable]:
+    """Run one micro batch through ``model``; return its output and how to turn it into a loss (``eod_token``,
+    ``data``: as in get_batch).
 
     With context parallelism each cp rank keeps its two chunks of every ``[b, s]`` tensor (``split_batch``).
     """
-    batch = split_batch(get_batch(data_iterator, model.ps.device, eod_token), model.ps)
-    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    batch = split_batch(get_batch(data_iterator, model.ps.device, eod_token, data), model.ps)
+    output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                   document_ids=batch["document_ids"])
     return output, functools.partial(loss_func, batch["loss_mask"], ps=model.ps)
 
 
@@ -115,10 +117,10 @@ def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int,
 
 
 def check_gpt_flags(config: Config) -> None:
-    """check_supported plus the GPT data files (before any process group starts)."""
+    """check_supported plus the GPT data files and their token ids (before any process group starts)."""
     check_supported(config)
     if not config.data.mock_data:
-        check_data_prefixes(config.data.data_path)
+        check_gpt_data(config.data, vocab_and_eod(config)[0])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     print_once(f" > padded vocab (size: {vocab_size}) with {padded_vocab_size - vocab_size} dummy tokens "
                f"(new size: {padded_vocab_size})", file=sys.stdout)
     provider = functools.partial(model_provider, padded_vocab_size=padded_vocab_size)
-    step = functools.partial(forward_step, eod_token=eod if config.data.eod_mask_loss else None)
+    step = functools.partial(forward_step, eod_token=eod, data=config.data)
     with exit_on_checkpoint_error():  # a broken checkpoint or a busy --save: one line, status 1
         pretrain(config, provider, step, datasets_provider, padded_vocab_size=padded_vocab_size)
     comm.shutdown()

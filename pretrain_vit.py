@@ -39,7 +39,6 @@ from megatron_like.training.loop import TrainingResult, check_supported
 from tasks.common import parse_task_args, print_last_rank, run_or_exit
 from tasks.evaluation import classification_counts, evaluate_dataset
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MOCK_VALID_IMAGES = 256
 """Size of the generated validation set evaluated in full at the end of a --mock-data run."""
 
@@ -76,7 +75,7 @@ def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_proc
     """One ViT chunk holding ``layers`` (global indices) of this pipeline rank."""
     return ViTModel(config.model, vision, ps, seed=config.training.seed, layers=layers, pre_process=pre_process,
                     post_process=post_process, sequence_parallel=config.parallel.sequence_parallel,
-                    dtype=DTYPES[config.params_dtype_name])
+                    dtype=getattr(torch, config.params_dtype_name))
 
 
 def loss_func(labels: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -10,13 +10,16 @@ needs only a C++17 compiler and pybind11, and takes seconds, not the apex-style 
 - Vector code is chosen at run time inside the kernels (AVX-512 / AVX2 / baseline), so nothing is
   compiled with ``-march=native`` and the build is portable to any x86-64 machine.
 - ``csrc/cuda/*.cu`` become ``megatron_like._csrc.cuda_<name>`` only when ``nvcc`` exists and the
-  installed torch is a CUDA build (``MEGATRON_LIKE_BUILD_CUDA=1`` forces them, ``0`` skips them).
+  installed torch is a CUDA build (``MEGATRON_LIKE_BUILD_CUDA=1`` forces them, ``0`` skips them);
+  ``MEGATRON_LIKE_CUDA_ARCH`` is nvcc's ``-arch`` (e.g. ``native``, which ``scripts/gpu_check.sh`` uses).
+- pybind11's headers come from the pybind11 package, else from the copy inside torch.
 - ``MEGATRON_LIKE_SKIP_CSRC=1`` skips all compiled code (pure-PyTorch install).
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -53,11 +56,27 @@ def _env_flag(name: str) -> bool | None:
     return None
 
 
-def cpu_extensions() -> list[Extension]:
-    """Return one optional extension per ``csrc/*.cpp``."""
+def pybind11_include() -> str | None:
+    """Return pybind11's header directory: the pybind11 package's, else the copy torch ships, else None.
+
+    The copy in torch lets a machine whose python has torch but no pybind11 and no network (a lent GPU machine,
+    scripts/gpu_check.sh) build the kernels; torch is located without importing it.
+    """
     try:
         import pybind11
-    except ImportError:  # the build requirement is missing: install without kernels
+    except ImportError:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.origin is None:
+            return None
+        include = Path(spec.origin).parent / "include"
+        return str(include) if (include / "pybind11" / "pybind11.h").exists() else None
+    return pybind11.get_include()
+
+
+def cpu_extensions() -> list[Extension]:
+    """Return one optional extension per ``csrc/*.cpp``."""
+    pybind11_dir = pybind11_include()
+    if pybind11_dir is None:  # the build requirement is missing: install without kernels
         print("megatron_like: pybind11 not found; skipping compiled kernels", file=sys.stderr)
         return []
     extensions = []
@@ -67,7 +86,7 @@ def cpu_extensions() -> list[Extension]:
             Extension(
                 f"megatron_like._csrc.{name}",
                 sources=[source],
-                include_dirs=[CSRC, pybind11.get_include()],
+                include_dirs=[CSRC, pybind11_dir],
                 depends=sorted(glob.glob(f"{CSRC}/*.h")),
                 language="c++",
                 optional=True,
@@ -113,8 +132,20 @@ class BuildCsrc(build_ext):
             ext.extra_compile_args = [*flags, *ext.extra_compile_args]
             ext.extra_link_args = [*link, *ext.extra_link_args]
         super().build_extensions()
-        for source in cuda_sources():
-            self._build_cuda(source)
+        self.cuda_modules = [name for name in map(self._build_cuda, cuda_sources()) if name is not None]
+
+    def copy_extensions_to_source(self) -> None:
+        """``--inplace`` and ``pip install -e``: copy the CUDA twins into the source tree with the CPU modules.
+
+        setuptools builds in ``build_lib`` and copies only the extensions it knows (the CPU ones): without this
+        an editable install would leave the CUDA twins where no import finds them.
+        """
+        super().copy_extensions_to_source()
+        build_py = self.get_finalized_command("build_py")
+        for name in getattr(self, "cuda_modules", []):
+            filename = self.get_ext_filename(name)
+            package_dir = build_py.get_package_dir(name.rpartition(".")[0])
+            self.copy_file(os.path.join(self.build_lib, filename), os.path.join(package_dir, Path(filename).name))
 
     def build_extension(self, ext: Extension) -> None:
         try:
@@ -122,23 +153,26 @@ class BuildCsrc(build_ext):
         except Exception as error:  # noqa: BLE001 - any failure must leave the install usable
             self.warn(f"megatron_like: could not build {ext.name} ({error}); its PyTorch fallback will be used")
 
-    def _build_cuda(self, source: str) -> None:
-        """Compile one .cu file with nvcc into ``megatron_like._csrc.cuda_<name>``."""
-        import pybind11
-
+    def _build_cuda(self, source: str) -> str | None:
+        """Compile one .cu file with nvcc into ``megatron_like._csrc.cuda_<name>``; return that name (None: failed)."""
         name = f"cuda_{Path(source).stem}"
-        ext_path = Path(self.get_ext_fullpath(f"megatron_like._csrc.{name}"))
+        module = f"megatron_like._csrc.{name}"
+        ext_path = Path(self.get_ext_fullpath(module))
         ext_path.parent.mkdir(parents=True, exist_ok=True)
         include = [
             f"-I{CSRC}",
             f"-I{CSRC}/cuda",
-            f"-I{pybind11.get_include()}",
+            f"-I{pybind11_include()}",
             f"-I{sysconfig.get_paths()['include']}",
         ]
+        # MEGATRON_LIKE_CUDA_ARCH=native (or sm_90, ...) compiles for that GPU; by default nvcc's own default
+        # architecture, whose PTX the driver compiles for newer GPUs at the first load.
+        arch = os.environ.get("MEGATRON_LIKE_CUDA_ARCH", "").strip()
         cmd = [
             "nvcc",
             "-O3",
             "-std=c++17",
+            *([f"-arch={arch}"] if arch else []),
             "--shared",
             "-Xcompiler",
             "-fPIC,-fvisibility=hidden",
@@ -153,6 +187,8 @@ class BuildCsrc(build_ext):
             subprocess.run(cmd, check=True)
         except (OSError, subprocess.CalledProcessError) as error:
             self.warn(f"megatron_like: could not build {name} with nvcc ({error})")
+            return None
+        return module
 
 
 def _compiler_accepts(compiler, flag: str) -> bool:

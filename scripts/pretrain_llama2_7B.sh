@@ -4,22 +4,13 @@
 # Four nodes of 8 GPUs: tp 2 with sequence parallelism inside a node, ZeRO-1 (Megatron's distributed
 # optimizer) over 16 data-parallel ranks. See docs/models.md for the flags of each model family.
 #
-# Multi-node: run this script on every node with the same MASTER_ADDR/MASTER_PORT and NODE_RANK = 0..NNODES-1
-# (scripts/slurm_pretrain_gpt.sh does that under SLURM). Preemption: SIGTERM/SIGUSR1 make every rank save
-# and exit 0; with MAX_RESTARTS > 0 torchrun restarts the workers after a failure and --load resumes from
-# the latest checkpoint.
+# Cluster environment, multi-node and preemption: scripts/cluster_launch.sh.
 #   DRY_RUN=1 bash scripts/pretrain_llama2_7B.sh   # print the per-rank memory plan (tools/plan.py) and exit; no GPU needed
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-4}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-MAX_RESTARTS=${MAX_RESTARTS:-0}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
-PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+DEFAULT_NNODES=4
+source scripts/cluster_launch.sh
 
 DATA_PATH=${DATA_PATH:-data/my-llama_text_document}
 # The model's tokenizer.json (a Hugging Face tokenizer directory or file); no network access is needed.
@@ -46,9 +37,5 @@ LOGGING_ARGS=(--log-interval 100 --eval-interval 1000 --eval-iters 10 --tensorbo
 ARGS=("${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
       "${LOGGING_ARGS[@]}")
 
-if [ "${DRY_RUN:-0}" = 1 ]; then
-    exec "$PYTHON" tools/plan.py --world-size "$WORLD_SIZE" "${ARGS[@]}" --vocab-size "$VOCAB_SIZE"
-fi
-exec "$PYTHON" -m torch.distributed.run --nproc_per_node "$GPUS_PER_NODE" --nnodes "$NNODES" --node_rank "$NODE_RANK" \
-    --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
-    pretrain_gpt.py "${ARGS[@]}"
+PLAN_ARGS=(--vocab-size "$VOCAB_SIZE")
+launch "${ARGS[@]}"

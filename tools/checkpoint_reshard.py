@@ -83,7 +83,8 @@ def saved_layout(load: str, iteration: int) -> tuple[Config, int]:
     if is_dist_checkpoint(load, iteration):
         common = read_checkpoint_file(os.path.join(iteration_dir(load, iteration), "common.pt"))
         return saved, common.get("layout", {}).get("dp", 1)
-    first = read_checkpoint_file(rank_file(first_shard_dir(iteration_dir(load, iteration)), 0), mmap=True)
+    # The conversion pass's load verifies the file's checksums.
+    first = read_checkpoint_file(rank_file(first_shard_dir(iteration_dir(load, iteration)), 0), mmap=True, verify=False)
     return saved, first.get("dp_size", 1)
 
 
@@ -108,14 +109,17 @@ def saved_rows(load: str, iteration: int) -> int:
     """Rows of the saved word embedding (the saving layout's padded vocabulary)."""
     path = iteration_dir(load, iteration)
     if is_dist_checkpoint(load, iteration):
-        from torch.distributed.checkpoint import FileSystemReader
+        from megatron_like.training.dist_checkpointing import open_dist_checkpoint  # the index, vetted
 
-        return FileSystemReader(path).read_metadata().state_dict_metadata["model.embedding.word_embeddings.weight"] \
-            .size[0]
+        _, index = open_dist_checkpoint(path)
+        embedding = index.state_dict_metadata.get("model.embedding.word_embeddings.weight")
+        if embedding is None:
+            raise CheckpointError(f"checkpoint {path} has no model.embedding.word_embeddings.weight")
+        return embedding.size[0]
     from megatron_like.training.checkpoint_validation import read_checkpoint_file  # one-line errors, weights only
 
     saved = read_saved_config(load, iteration)
-    first = read_checkpoint_file(rank_file(first_shard_dir(path), 0), mmap=True)
+    first = read_checkpoint_file(rank_file(first_shard_dir(path), 0), mmap=True, verify=False)
     return first["model"][0]["embedding.word_embeddings.weight"].shape[0] * saved.parallel.tensor_model_parallel_size
 
 
@@ -166,6 +170,10 @@ def run_pass(config: Config, load: str, save: str, ckpt_format: str, padded_voca
                    f"--nproc_per_node={config.world_size}", os.path.abspath(__file__), "--pass-file", f.name]
         result = subprocess.run(command, env=env, capture_output=True, text=True)
         if result.returncode != 0:
+            # A checkpoint its ranks refused: their one line (the same on every rank), not the launcher's report.
+            refused = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+            if refused:
+                raise CheckpointError(refused[0][len("error: "):])
             raise CheckpointError(f"the conversion pass ({ckpt_format}, {config.world_size} processes) failed:\n"
                                   f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     finally:
@@ -175,12 +183,14 @@ def run_pass(config: Config, load: str, save: str, ckpt_format: str, padded_voca
 def _run_pass_file(path: str) -> None:
     """A torchrun worker of :func:`run_pass`."""
     from megatron_like import collectives as comm
+    from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
 
     with open(path) as f:
         job = json.load(f)
     config = Config.from_dict(job["config"])
     config.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    convert(config, job["load"], job["save"], job["ckpt_format"], job["padded_vocab_size"], job["with_optimizer"])
+    with exit_on_checkpoint_error():  # `error: <one line>` on every rank, status 1
+        convert(config, job["load"], job["save"], job["ckpt_format"], job["padded_vocab_size"], job["with_optimizer"])
     comm.shutdown()
 
 
@@ -190,6 +200,10 @@ def reshard(args: argparse.Namespace) -> str:
     iteration = latest_iteration(args.load)
     if iteration is None:
         raise CheckpointError(f"--load {args.load} holds no latest_checkpointed_iteration.txt")
+    if is_dist_checkpoint(args.load, iteration):  # its index vetted and its files there before any pass starts
+        from megatron_like.training.dist_checkpointing import open_dist_checkpoint
+
+        open_dist_checkpoint(iteration_dir(args.load, iteration))
     saved, saved_dp = saved_layout(args.load, iteration)
     p = saved.parallel
     source = layout_config(saved, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,

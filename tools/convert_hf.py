@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from megatron_like.config import Config, DataConfig, ModelConfig, QuietArgumentParser  # noqa: E402
+from megatron_like.config.compare import lost_in_conversion  # noqa: E402
 from megatron_like.inference import hf_gpt2, hf_llama, hf_mixtral  # noqa: E402
 from megatron_like.model.state import load_full_state  # noqa: E402
 
@@ -81,6 +82,10 @@ def to_hf(args: argparse.Namespace) -> None:
     vocab, eod = real_vocab(config, rows, args.vocab_size)
     family = hf_family(config.model)
     hf_config = family.hf_config(config.model, vocab, eod)
+    # Every compared model field (config/fields.py) must come back from the Hugging Face config unchanged.
+    lost = lost_in_conversion(config.model, family.model_config_from_hf(hf_config), hf_config["architectures"][0])
+    if lost is not None:
+        raise ValueError(lost)
     hf_state = family.to_hf_state(full, config.model, vocab)
     hf_gpt2.save_hf_dir(args.save, hf_state, hf_config, tokenizer_files(config.data))
     print(f"wrote a {hf_config['architectures'][0]} ({config.model.num_layers} layers, vocabulary {vocab}) "

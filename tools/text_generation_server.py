@@ -18,27 +18,29 @@ before any work; a bad request gets ``400`` and ``{"message": ...}`` naming the 
 rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each valid request to the other ranks
 of the model, which generate with it. A failure while generating, on any rank, is agreed by all ranks
 before rank 0 answers (``megatron_like/inference/serving.py``): ``400`` for a request the model cannot
-serve, ``500`` for anything else, and every rank goes on serving. Every answer is JSON, also for other
-methods (``405``), unknown paths (``404``), malformed HTTP (``400``) and a body that stops coming (``408``
-after 60 s).
+serve, ``500`` for anything else, and every rank goes on serving. Every answer has a status line and a
+JSON body (``megatron_like/inference/json_http.py``), also for other methods (``405``), unknown paths
+(``404``), malformed HTTP (``400``: request lines, bare-CR line ends, Content-Length, a body shorter than
+its Content-Length), chunked bodies (``411``) and a request that stops coming (``408`` after
+``--request-timeout`` seconds, 60 by default).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import sys
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_like.config import ConfigError  # noqa: E402
 from megatron_like.inference import cli  # noqa: E402
 from megatron_like.inference.generation import GenerationParams  # noqa: E402
+from megatron_like.inference.json_http import JsonRequestHandler, LengthError  # noqa: E402
 from megatron_like.inference.loading import InferenceModel  # noqa: E402
 from megatron_like.inference.serving import broadcast_request, run_follower, serve_request  # noqa: E402
 
@@ -62,7 +64,10 @@ class Limits:
 def _number(body: dict, name: str, default, kind: type, low: float, high: float, low_open: bool = False):
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {value!r:.80}")
+        # A list or object is named, not shown: its repr could recurse as deep as the JSON nests.
+        shown = f"a JSON {'array' if isinstance(value, list) else 'object'}" if isinstance(value, (list, dict)) \
+            else f"{value!r:.80}"
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, got {shown}")
     if not math.isfinite(value):  # json.loads accepts NaN and Infinity
         raise RequestError(f"{name} must be a finite number, got {value}")
     if value < low or value > high or (low_open and value == low):
@@ -80,6 +85,8 @@ def parse_request(raw: bytes, loaded: InferenceModel, limits: Limits) -> tuple[l
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RequestError(f"request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError("request body nests JSON arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     unknown = sorted(set(body) - set(FIELDS))
@@ -153,51 +160,26 @@ def answer(loaded: InferenceModel, prompts: list[str], results: list, beam: bool
     return out
 
 
-def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = 60  # seconds a client may take to send its request (socket timeout of the handler)
-
-        def reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """http.server's own errors (bad request line, unsupported method...) as JSON, not HTML."""
-            self.close_connection = True
-            with contextlib.suppress(OSError):  # the client may be gone
-                self.reply(code, {"message": message or self.responses.get(code, ("error",))[0]})
+def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock, request_timeout: float = 60.0):
+    class Handler(JsonRequestHandler):
+        timeout = request_timeout
 
         def do_PUT(self) -> None:
             try:
                 self.handle_put()
             except TimeoutError:
-                self.send_error(408, f"the request body did not arrive within {self.timeout} s")
+                raise  # answered 408 by JsonRequestHandler
             except Exception as error:  # noqa: BLE001 - one request must never take the server down
                 self.log_message("request failed: %s: %s", type(error).__name__, error)
                 self.send_error(500, f"internal error: {type(error).__name__}: {error}")
 
         def handle_put(self) -> None:
             if self.path.rstrip("/") != "/api":
-                return self.reply(404, {"message": f"no endpoint {self.path}; use PUT /api"})
+                return self.send_error(404, f"no endpoint {self.path}; use PUT /api")
             try:
-                length = int(self.headers.get("Content-Length", ""))
-            except ValueError:
-                return self.send_error(411, "Content-Length is required")
-            if length < 0 or length > limits.max_body_bytes:
-                self.close_connection = True
-                if 0 < length <= 16 * limits.max_body_bytes:  # drain it so the client reads our answer
-                    while length > 0:
-                        chunk = self.rfile.read(min(length, 1 << 16))
-                        if not chunk:
-                            break
-                        length -= len(chunk)
-                return self.send_error(400, f"request body exceeds the limit of {limits.max_body_bytes} bytes")
-            raw = self.rfile.read(length)
+                raw = self.read_body(self.content_length(limits.max_body_bytes))
+            except LengthError as error:
+                return self.send_error(error.status, str(error))
             try:
                 prompts, ids, params = parse_request(raw, loaded, limits)
             except (RequestError, ValueError) as error:
@@ -211,10 +193,8 @@ def make_handler(loaded: InferenceModel, limits: Limits, lock: threading.Lock):
                 return self.reply(outcome.status, {"message": outcome.message})
             return self.reply(200, answer(loaded, prompts, outcome.results, params.num_beams > 1))
 
-        def refuse_method(self) -> None:
+        def refuse_method(self) -> None:  # every method but PUT (JsonRequestHandler dispatches them here)
             self.send_error(405, f"{self.command} is not supported: use PUT /api with a JSON body")
-
-        do_GET = do_POST = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = refuse_method  # noqa: N815
 
         def log_message(self, fmt: str, *args) -> None:
             sys.stderr.write(f"[server] {self.address_string()} {fmt % args}\n")
@@ -230,11 +210,15 @@ def build_parser():
     g.add_argument("--max-prompts", type=int, default=16, help="Prompts per request at most.")
     g.add_argument("--max-prompt-tokens", type=int, default=1024, help="Tokens per prompt at most.")
     g.add_argument("--max-tokens-to-generate", type=int, default=256, help="tokens_to_generate at most.")
+    g.add_argument("--request-timeout", type=float, default=60.0,
+                   help="Seconds a client may take to send any part of its request before it gets 408.")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args, config = cli.parse(build_parser(), argv)
+    if not 0 < args.request_timeout < math.inf:
+        cli.fail(f"--request-timeout {args.request_timeout} must be a positive number of seconds")
     try:
         ps = cli.setup(config)
         loaded = cli.load(config, ps, args.iteration)
@@ -245,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
         run_follower(loaded, ps.device)
         ps.destroy()
         return
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(loaded, limits, threading.Lock()))
+    handler = make_handler(loaded, limits, threading.Lock(), args.request_timeout)
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     print(f"serving on http://{args.host}:{server.server_address[1]}/api", flush=True)
     try:
         server.serve_forever()

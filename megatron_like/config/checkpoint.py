@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 from megatron_like.config.errors import _require
+from megatron_like.config.fields import POSITIVE
 
 
 @dataclass
@@ -16,7 +17,7 @@ class CheckpointConfig:
     """Directory to save checkpoints to."""
     load: str | None = None
     """Directory to resume from (its latest_checkpointed_iteration.txt)."""
-    save_interval: int | None = None
+    save_interval: Annotated[int | None, POSITIVE] = None
     """Save every this many iterations (and always at the end when --save is given)."""
     save_optim: bool = True
     """Save optimizer state (--no-save-optim saves weights only)."""
@@ -33,22 +34,21 @@ class CheckpointConfig:
     async_save: bool = False
     """torch_dist only: copy the state to host memory, then write it in a background thread while training
     goes on; the next save and the end of training wait for it."""
-    exit_interval: int | None = None
+    exit_interval: Annotated[int | None, POSITIVE] = None
     """Save and exit when the iteration is a multiple of this."""
-    exit_duration_in_mins: float | None = None
+    exit_duration_in_mins: Annotated[float | None, POSITIVE] = None
     """Save and exit after this many minutes of training."""
     exit_signal_handler: bool = True
     """On SIGTERM or SIGUSR1 save a checkpoint (with --save) and exit cleanly (--no-exit-signal-handler: die)."""
     override_opt_param_scheduler: bool = False
-    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay) from this run's flags, not the
-    checkpoint's (the default here; Megatron's default refuses a mismatch). Also --override-opt_param-scheduler."""
+    """On resume, take the lr schedule (--lr, --min-lr, warmup, decay iterations, style) from this run's flags, not
+    the checkpoint's. Without this flag or --use-checkpoint-opt-param-scheduler, a resume whose flags define
+    another schedule than the checkpoint's is refused (Megatron-LM's rule). Also --override-opt_param-scheduler."""
     use_checkpoint_opt_param_scheduler: bool = False
     """On resume, keep the checkpoint's lr schedule and ignore this run's lr flags. Also
     --use-checkpoint-opt_param-scheduler."""
 
     def validate(self) -> None:
-        if self.save_interval is not None:
-            _require(self.save_interval > 0, f"--save-interval {self.save_interval} must be positive")
         _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                  "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: "
                  "pass one (this run's lr flags, or the checkpoint's schedule)")

@@ -21,7 +21,6 @@ from typing import Literal
 
 from megatron_like.config.config import Config, _group_classes
 from megatron_like.config.errors import ConfigError, flag_name
-from megatron_like.config.model import ModelConfig
 
 
 @functools.cache
@@ -132,6 +131,30 @@ class QuietArgumentParser(argparse.ArgumentParser):
         print_once(f"error: {message} (see {self.prog} --help)")
         raise SystemExit(2)
 
+    def parse_known_args(self, args: typing.Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        """argparse takes ``-1e-8`` or ``-1,0`` for an option (its negative numbers are plain decimals): glue such a
+        value to the flag before it (``--adam-eps=-1e-8``), so that it reaches the range check."""
+        args = list(sys.argv[1:] if args is None else args)
+        glued: list[str] = []
+        for token in args:
+            if glued and glued[-1].startswith("--") and "=" not in glued[-1] and _is_negative_number(token):
+                glued[-1] = f"{glued[-1]}={token}"
+            else:
+                glued.append(token)
+        return super().parse_known_args(glued, namespace)
+
+
+def _is_negative_number(token: str) -> bool:
+    """``-1e-8``, ``-inf``, ``-1,0`` (a --window-size): a value, never a flag (no flag starts with a digit)."""
+    if token[:2] in ("-.",) or (len(token) > 1 and token[0] == "-" and token[1].isdigit()):
+        return True
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return token.startswith("-")
+
 
 def no_effect_warnings(config: Config) -> list[str]:
     """Flags that change nothing in this layout: one line each (warnings, as Megatron: the run is valid)."""
@@ -149,14 +172,11 @@ def no_effect_warnings(config: Config) -> list[str]:
     if m.num_experts is not None and p.expert_model_parallel_size == 1 and etp_is_tp \
             and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
-    if not m.use_rope_scaling:  # Llama 3.1's numbers alone would silently leave the rotary frequencies unscaled
-        defaults = ModelConfig()
-        for name in ("rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                     "rope_scaling_original_max_position_embeddings"):
-            if getattr(m, name) != getattr(defaults, name):
-                warnings.append(f"{flag_name(name)} has no effect without --use-rope-scaling")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
+    if config.data.reset_position_ids and m.position_embedding_type != "learned_absolute":
+        warnings.append(f"--reset-position-ids has no effect with --position-embedding-type {m.position_embedding_type}"
+                        " (only learned absolute positions read the position ids)")
     return warnings
 
 

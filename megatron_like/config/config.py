@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from megatron_like.config.checkpoint import CheckpointConfig
 from megatron_like.config.data import DataConfig
 from megatron_like.config.errors import _require
+from megatron_like.config.fields import check_declared
 from megatron_like.config.logging import LoggingConfig
 from megatron_like.config.model import ModelConfig
 from megatron_like.config.optimizer import OptimizerConfig
@@ -70,6 +71,7 @@ class Config:
 
     @property
     def params_dtype_name(self) -> str:
+        """The parameters' dtype as torch names it (`getattr(torch, name)` is the dtype; config imports no torch)."""
         if self.precision.fp16:
             return "float16"
         if self.precision.bf16:
@@ -78,7 +80,9 @@ class Config:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> Config:
-        """Check every group and every cross-group rule; raise ConfigError on the first violation."""
+        """Check every field's declared range and needed flags, then every group's rules and every cross-group
+        rule; raise ConfigError on the first violation."""
+        check_declared(self.groups())
         for group in self.groups().values():
             group.validate()
         m, p, t = self.model, self.parallel, self.training
@@ -128,7 +132,6 @@ class Config:
         )
         if p.num_layers_per_virtual_pipeline_stage is not None:
             v = p.num_layers_per_virtual_pipeline_stage
-            _require(v > 0, f"--num-layers-per-virtual-pipeline-stage {v} must be positive")
             _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
             _require(
                 (m.num_layers // pp) % v == 0,
@@ -183,9 +186,7 @@ class Config:
         tp, ep, dp = p.tensor_model_parallel_size, p.expert_model_parallel_size, self.data_parallel_size
         cp = p.context_parallel_size  # the experts see the tokens of dp x cp (Megatron's expert layout)
         etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
-        _require(etp >= 1, f"--expert-tensor-parallel-size {etp} must be at least 1")
-        if m.num_experts is None:
-            _require(ep == 1, f"--expert-model-parallel-size {ep} needs --num-experts")
+        if m.num_experts is None:  # --expert-model-parallel-size declares that it needs --num-experts
             _require(etp == tp, f"--expert-tensor-parallel-size {etp} needs --num-experts")
             return
         _require(m.num_experts % ep == 0,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 from megatron_like.config.errors import ConfigError, _require
+from megatron_like.config.fields import NON_NEGATIVE
 
 
 @dataclass
@@ -28,10 +29,16 @@ class DataConfig:
     """tokenizer.json for the HuggingFaceTokenizer."""
     data_cache_path: str | None = None
     """Directory for the cached sample indices; defaults to beside the data."""
-    num_workers: int = 2
+    num_workers: Annotated[int, NON_NEGATIVE] = 2
     """Data loader worker processes."""
     eod_mask_loss: bool = False
     """Do not train on the prediction made at an end-of-document token (the next document's first token)."""
+    reset_position_ids: bool = False
+    """Restart the position ids at 0 after each end-of-document token (packed documents; learned absolute
+    positions see it, RoPE is relative and attention within a document is the same either way)."""
+    reset_attention_mask: bool = False
+    """Attention stops at each end-of-document token: a token sees only its own document of a packed sample
+    (document ids reach attention, which skips the other documents' key blocks; no [s, s] mask)."""
 
     def validate(self) -> None:
         _require(
@@ -47,4 +54,7 @@ class DataConfig:
             len(weights) <= 3 and all(w >= 0 for w in weights) and sum(weights) > 0,
             f"--split {self.split!r} needs up to three non-negative numbers with a positive sum",
         )
-        _require(self.num_workers >= 0, f"--num-workers {self.num_workers} must be >= 0")
+        for flag, on in (("--reset-position-ids", self.reset_position_ids),
+                         ("--reset-attention-mask", self.reset_attention_mask)):
+            _require(not (on and self.mock_data),
+                     f"{flag} needs end-of-document tokens and --mock-data has none: pass --data-path")

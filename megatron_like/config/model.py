@@ -5,146 +5,173 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from megatron_like.config.errors import ConfigError, _require, flag_name
+from megatron_like.config.errors import ConfigError, _require
+from megatron_like.config.fields import (
+    FINETUNE_MAY_CHANGE,
+    MAY_CHANGE,
+    MUST_MATCH,
+    NON_NEGATIVE,
+    POSITIVE,
+    PROBABILITY,
+    NotCompared,
+    Range,
+    Requires,
+)
+
+NEEDS_EXPERTS = Requires("num_experts")
+NEEDS_ROPE = Requires("position_embedding_type", "rope")
+NEEDS_ROPE_SCALING = Requires("use_rope_scaling")
+# Why a field is not compared with a checkpoint (``fields.NotCompared``):
+SAME_MATH = "an implementation choice: every choice computes the same function"
+FUSED = "a fused kernel of the same formula"
+RECOMPUTE = "recomputation trades memory for compute; the results are the same"
+VOCAB_REASON = ("sets the vocabulary rows, which the load compares as the embedding's shape (the tokenizer's size "
+                "counts, not the flag)")
 
 
 @dataclass
 class ModelConfig:
     """Shape of the GPT model and its regularization."""
 
-    num_layers: int = 2
+    num_layers: Annotated[int, MUST_MATCH, POSITIVE] = 2
     """Number of transformer layers."""
-    hidden_size: int = 64
+    hidden_size: Annotated[int, MUST_MATCH, POSITIVE] = 64
     """Transformer hidden size h."""
-    ffn_hidden_size: int | None = None
+    ffn_hidden_size: Annotated[int | None, MUST_MATCH.through("ffn_size"), POSITIVE] = None
     """Hidden size of the MLP; defaults to 4 * hidden size (with --swiglu: 8/3 * hidden size rounded down to a
     multiple of 64, as Megatron-LM)."""
-    num_attention_heads: int = 4
+    num_attention_heads: Annotated[int, MUST_MATCH, POSITIVE] = 4
     """Number of attention heads."""
-    seq_length: int = 32
+    seq_length: Annotated[int, MAY_CHANGE, POSITIVE] = 32
     """Tokens per training sample."""
-    max_position_embeddings: int | None = None
+    max_position_embeddings: Annotated[int | None, FINETUNE_MAY_CHANGE.through("max_positions"), POSITIVE] = None
     """Size of the learned position table; defaults to --seq-length."""
-    vocab_size: int | None = None
+    vocab_size: Annotated[int | None, NotCompared(VOCAB_REASON), POSITIVE] = None
     """Vocabulary size for the mock or null tokenizer (other tokenizers know their own)."""
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: Annotated[int, NotCompared(VOCAB_REASON), POSITIVE] = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size (fast matmuls, even shards)."""
-    hidden_dropout: float = 0.1
+    hidden_dropout: Annotated[float, MAY_CHANGE, PROBABILITY] = 0.1
     """Dropout after the attention and MLP output projections and on the embeddings."""
-    attention_dropout: float = 0.1
+    attention_dropout: Annotated[float, MAY_CHANGE, PROBABILITY] = 0.1
     """Dropout on the attention probabilities."""
-    init_method_std: float = 0.02
+    init_method_std: Annotated[float, NotCompared("initialization only: loaded weights replace it"), POSITIVE] = 0.02
     """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
-    norm_epsilon: float = 1e-5
+    norm_epsilon: Annotated[float, MUST_MATCH, POSITIVE] = 1e-5
     """Epsilon of every LayerNorm or RMSNorm (alias: --layernorm-epsilon)."""
-    untie_embeddings_and_output_weights: bool = False
+    untie_embeddings_and_output_weights: Annotated[bool, MUST_MATCH] = False
     """Give the output layer its own weight instead of sharing the input embedding."""
-    attention_backend: Literal["sdpa", "local", "flash", "fused", "unfused", "auto"] = "sdpa"
+    attention_backend: Annotated[Literal["sdpa", "local", "flash", "fused", "unfused", "auto"],
+                                 NotCompared(SAME_MATH)] = "sdpa"
     """'sdpa': torch's scaled_dot_product_attention (flash kernels on CPU and GPU, the fastest); 'local':
     explicit q k^T, softmax and v matmuls (easy to read and modify; uses the fused softmax). Megatron-LM's
     names are accepted: 'flash', 'fused' and 'auto' mean sdpa, 'unfused' means local."""
-    cpu_gemm_backend: Literal["auto", "mkl", "onednn"] = "auto"
+    cpu_gemm_backend: Annotated[Literal["auto", "mkl", "onednn"], NotCompared(SAME_MATH)] = "auto"
     """fp32 GEMM library of the tensor-parallel linears on CPU (forward and input gradient; weight gradients
     always use MKL): 'mkl' (F.linear), 'onednn', or 'auto' = oneDNN on AMD CPUs for GEMMs of 2^24
     multiply-adds and more, MKL elsewhere (Intel not measured); see tensor_parallel/cpu_gemm.py."""
     # ---- decoder architecture (GPT-2/3 defaults; Llama: rope, RMSNorm, swiglu, GQA, no biases) ----
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    position_embedding_type: Annotated[Literal["learned_absolute", "rope", "none"], MUST_MATCH] = "learned_absolute"
     """Positions: a learned table added to the embeddings, rotary embeddings applied to q and k in every
     layer, or none (--use-rotary-position-embeddings is the legacy spelling of rope)."""
-    rotary_base: int = 10000
+    rotary_base: Annotated[int, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_ROPE] = 10000
     """Base of the rotary frequencies (Llama 2: 10000, Llama 3: 500000)."""
-    rotary_percent: float = 1.0
+    rotary_percent: Annotated[float, MUST_MATCH, Range(0, 1, min_open=True), NEEDS_ROPE] = 1.0
     """Fraction of each head's dimensions that rotary embeddings rotate (the rest pass through)."""
-    rotary_seq_len_interpolation_factor: float | None = None
+    rotary_seq_len_interpolation_factor: Annotated[float | None, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_ROPE] = None
     """Linear RoPE scaling (position interpolation; Hugging Face's rope_type "linear"): every rotary angle is
     divided by this factor, as if positions were t / factor. None: off."""
-    use_rope_scaling: bool = False
+    use_rope_scaling: Annotated[bool, FINETUNE_MAY_CHANGE, NEEDS_ROPE] = False
     """Llama 3.1's RoPE scaling (Hugging Face's rope_type "llama3"): rotary frequencies of wavelength above
     --rope-scaling-original-max-position-embeddings / --rope-scaling-low-freq-factor are divided by
     --rope-scaling-factor, those below ... / --rope-scaling-high-freq-factor kept, those between interpolated."""
-    rope_scaling_factor: float = 8.0
+    rope_scaling_factor: Annotated[float, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_ROPE_SCALING] = 8.0
     """With --use-rope-scaling: the factor (Llama 3.1: 8, Llama 3.2: 32)."""
-    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_low_freq_factor: Annotated[float, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_ROPE_SCALING] = 1.0
     """With --use-rope-scaling (ours; Megatron-LM fixes it at 1): Llama 3.1's low_freq_factor."""
-    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_high_freq_factor: Annotated[float, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_ROPE_SCALING] = 4.0
     """With --use-rope-scaling (ours; Megatron-LM fixes it at 4): Llama 3.1's high_freq_factor."""
-    rope_scaling_original_max_position_embeddings: int = 8192
+    rope_scaling_original_max_position_embeddings: Annotated[int, FINETUNE_MAY_CHANGE, POSITIVE,
+                                                             NEEDS_ROPE_SCALING] = 8192
     """With --use-rope-scaling (ours; Megatron-LM fixes it at 8192): the pretraining context the scaling
     stretches."""
-    window_size: str | None = None
+    window_size: Annotated[str | None, FINETUNE_MAY_CHANGE.through("attention_window")] = None
     """Sliding-window attention, Megatron-LM's "LEFT,RIGHT" (flash-attention's convention): each query attends
     to itself and the LEFT keys before it; RIGHT must be 0 (causal). Mistral 7B v0.1's sliding_window 4096 is
     --window-size 4095,0. None (or LEFT -1): full causal attention."""
-    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    normalization: Annotated[Literal["LayerNorm", "RMSNorm"], MUST_MATCH] = "LayerNorm"
     """Normalization of the layer inputs and the final hidden states."""
-    swiglu: bool = False
+    swiglu: Annotated[bool, MUST_MATCH] = False
     """SwiGLU MLP: silu(x W_gate) * (x W_up) -> W_down instead of GELU (Llama)."""
-    group_query_attention: bool = False
+    group_query_attention: Annotated[bool, MUST_MATCH.through("query_groups")] = False
     """Grouped-query attention: --num-query-groups key/value heads shared by the query heads."""
-    num_query_groups: int = 1
+    num_query_groups: Annotated[int, MUST_MATCH.through("query_groups"), POSITIVE,
+                                Requires("group_query_attention")] = 1
     """Key/value heads with --group-query-attention (1 is multi-query attention)."""
-    disable_bias_linear: bool = False
+    disable_bias_linear: Annotated[bool, MUST_MATCH.through("linear_bias")] = False
     """No biases in the attention and MLP linears."""
-    add_qkv_bias: bool = False
+    add_qkv_bias: Annotated[bool, MUST_MATCH.through("qkv_bias"), Requires("disable_bias_linear")] = False
     """Keep the QKV bias with --disable-bias-linear (Qwen2)."""
-    masked_softmax_fusion: bool = True
+    masked_softmax_fusion: Annotated[bool, NotCompared(FUSED)] = True
     """With --attention-backend local: the fused csrc scale+mask+softmax instead of torch.softmax."""
-    bias_gelu_fusion: bool = True
+    bias_gelu_fusion: Annotated[bool, NotCompared(FUSED)] = True
     """Fuse the first MLP bias add into the GELU (csrc kernel, forward and backward)."""
-    cross_entropy_loss_fusion: bool = True
+    cross_entropy_loss_fusion: Annotated[bool, NotCompared(FUSED)] = True
     """Fused csrc cross entropy that never materializes the softmax (used at tensor-parallel size 1)."""
-    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_granularity: Annotated[Literal["full", "selective"] | None, NotCompared(RECOMPUTE)] = None
     """Activation recomputation: 'full' recomputes whole layers, 'selective' only the attention core."""
-    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_method: Annotated[Literal["uniform", "block"] | None, NotCompared(RECOMPUTE),
+                                Requires("recompute_granularity", "full")] = None
     """With full recompute: 'uniform' checkpoints groups of layers, 'block' the first N layers per stage."""
-    recompute_num_layers: int | None = None
+    recompute_num_layers: Annotated[int | None, NotCompared(RECOMPUTE), POSITIVE, Requires("recompute_method")] = None
     """With full recompute: layers per group ('uniform') or layers recomputed per stage ('block')."""
-    qat: bool = False
+    qat: Annotated[bool, FINETUNE_MAY_CHANGE] = False
     """Quantization-aware training: fake int8 quantization (per-channel weights, moving-average per-tensor
     activations, straight-through gradients) in every transformer linear; export with
     megatron_like.quantization.export."""
     # ---- mixture of experts (docs/moe.md; expert parallelism is --expert-model-parallel-size) ----
-    num_experts: int | None = None
+    num_experts: Annotated[int | None, MUST_MATCH, POSITIVE] = None
     """Experts of each MoE layer; without it every MLP is dense."""
-    moe_router_topk: int = 2
+    moe_router_topk: Annotated[int, MUST_MATCH, POSITIVE, NEEDS_EXPERTS] = 2
     """Experts each token is routed to."""
-    moe_ffn_hidden_size: int | None = None
+    moe_ffn_hidden_size: Annotated[int | None, MUST_MATCH.through("moe_ffn_size"), POSITIVE, NEEDS_EXPERTS] = None
     """Hidden size of each expert's MLP; defaults to --ffn-hidden-size."""
-    moe_layer_freq: str = "1"
+    moe_layer_freq: Annotated[str, MUST_MATCH.through("moe_layer_pattern"), NEEDS_EXPERTS] = "1"
     """Which layers are MoE: N (every N-th layer, from layer 0) or a Python list of 0/1 per layer, e.g.
     "([1]*3+[0]*1)*2" (Megatron-LM's forms)."""
-    moe_router_load_balancing_type: Literal["aux_loss", "sinkhorn", "none"] = "aux_loss"
+    moe_router_load_balancing_type: Annotated[Literal["aux_loss", "sinkhorn", "none"],
+                                              MUST_MATCH.through("moe_sinkhorn_routing"), NEEDS_EXPERTS] = "aux_loss"
     """'aux_loss': the Switch load-balancing loss; 'sinkhorn': route by Sinkhorn-balanced scores (no loss);
     'none': plain top-k."""
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: Annotated[float, MAY_CHANGE, NON_NEGATIVE, NEEDS_EXPERTS] = 0.0
     """Weight of the load-balancing loss added to the training loss (Megatron's default 0; 1e-2 is usual)."""
-    moe_z_loss_coeff: float | None = None
+    moe_z_loss_coeff: Annotated[float | None, MAY_CHANGE, NON_NEGATIVE, NEEDS_EXPERTS] = None
     """Weight of the router z-loss, mean(logsumexp(logits)^2) (ST-MoE); None disables it."""
-    moe_router_pre_softmax: bool = False
+    moe_router_pre_softmax: Annotated[bool, MUST_MATCH, NEEDS_EXPERTS] = False
     """Softmax over all experts, then top-k (the k probabilities do not sum to 1); default: top-k of the
     logits, then softmax over those k (Mixtral)."""
-    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
+    moe_token_dispatcher_type: Annotated[Literal["allgather", "alltoall"], NotCompared(
+        "how tokens travel between expert-parallel ranks; the experts compute the same"), NEEDS_EXPERTS] = "allgather"
     """How tokens reach the experts of other expert-parallel ranks: all-gather every token (then
     reduce-scatter the outputs) or all-to-all exactly the routed ones."""
-    moe_expert_capacity_factor: float | None = None
+    moe_expert_capacity_factor: Annotated[float | None, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_EXPERTS] = None
     """Each expert takes at most ceil(factor * tokens * topk / experts) tokens of a micro batch; the rest are
     dropped (their expert output is zero). None: no capacity, no dropping."""
-    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    moe_token_drop_policy: Annotated[Literal["probs", "position"], FINETUNE_MAY_CHANGE, NEEDS_EXPERTS,
+                                     Requires("moe_expert_capacity_factor")] = "probs"
     """With a capacity: keep each expert's highest-probability tokens, or its first ones in sequence order."""
-    moe_pad_expert_input_to_capacity: bool = False
+    moe_pad_expert_input_to_capacity: Annotated[bool, NotCompared("the padding tokens have weight 0: same outputs"),
+                                                NEEDS_EXPERTS, Requires("moe_expert_capacity_factor")] = False
     """With a capacity: every expert gets exactly `capacity` tokens, filled with unrouted tokens of weight 0
     (fixed shapes)."""
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: Annotated[bool, NotCompared(SAME_MATH), NEEDS_EXPERTS] = False
     """Compute all local experts with one grouped GEMM (megatron_like.kernels.grouped_gemm) instead of a loop."""
-    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_intermediate_size: Annotated[int | None, MUST_MATCH, POSITIVE, NEEDS_EXPERTS] = None
     """Hidden size of the shared expert every token also passes through (DeepSeek/Qwen MoE); None: none."""
 
     def validate(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            value = getattr(self, name)
-            _require(value > 0, f"{flag_name(name)} {value} must be positive")
+        """The rules between fields (each field's range and the flags it needs are declared on it: fields.py)."""
         _require(
             self.hidden_size % self.num_attention_heads == 0,
             f"--hidden-size {self.hidden_size} is not divisible by "
@@ -155,9 +182,6 @@ class ModelConfig:
             f"--max-position-embeddings {self.max_position_embeddings} is smaller than "
             f"--seq-length {self.seq_length}",
         )
-        for name in ("hidden_dropout", "attention_dropout"):
-            value = getattr(self, name)
-            _require(0.0 <= value < 1.0, f"{flag_name(name)} {value} must be in [0, 1)")
         self.validate_architecture()
         self.validate_moe()
         if self.cpu_gemm_backend == "onednn":
@@ -170,20 +194,11 @@ class ModelConfig:
                 "--recompute-granularity full needs --recompute-method uniform or block",
             )
         if self.recompute_method is not None:
-            _require(
-                self.recompute_granularity == "full",
-                f"--recompute-method {self.recompute_method} only applies with --recompute-granularity full",
-            )
-            _require(
-                self.recompute_num_layers is not None and self.recompute_num_layers > 0,
-                "--recompute-method needs a positive --recompute-num-layers",
-            )
+            _require(self.recompute_num_layers is not None,
+                     "--recompute-method needs a positive --recompute-num-layers")
 
     def validate_architecture(self) -> None:
         """Rules of the decoder-architecture flags (rotary, norms, grouped-query attention)."""
-        _require(0.0 < self.rotary_percent <= 1.0, f"--rotary-percent {self.rotary_percent} must be in (0, 1]")
-        _require(self.rotary_base > 0, f"--rotary-base {self.rotary_base} must be positive")
-        _require(self.norm_epsilon > 0, f"--norm-epsilon {self.norm_epsilon} must be positive")
         if self.position_embedding_type == "rope":
             rotary_dim = int(self.head_dim * self.rotary_percent)
             _require(
@@ -194,21 +209,11 @@ class ModelConfig:
         self.validate_rope_scaling()
         parse_window_size(self.window_size)
         if self.group_query_attention:
-            _require(self.num_query_groups > 0, f"--num-query-groups {self.num_query_groups} must be positive")
             _require(
                 self.num_attention_heads % self.num_query_groups == 0,
                 f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups "
                 f"{self.num_query_groups}",
             )
-        else:
-            _require(
-                self.num_query_groups == 1,
-                f"--num-query-groups {self.num_query_groups} needs --group-query-attention",
-            )
-        _require(
-            not self.add_qkv_bias or self.disable_bias_linear,
-            "--add-qkv-bias only matters with --disable-bias-linear (the QKV linear has a bias already)",
-        )
 
     def validate_rope_scaling(self) -> None:
         """Rules of --use-rope-scaling and --rotary-seq-len-interpolation-factor."""
@@ -218,38 +223,19 @@ class ModelConfig:
         _require(self.position_embedding_type == "rope", "RoPE scaling needs --position-embedding-type rope")
         _require(not (self.use_rope_scaling and linear is not None),
                  "--use-rope-scaling and --rotary-seq-len-interpolation-factor are two RoPE scalings: pick one")
-        _require(linear is None or linear > 0, f"--rotary-seq-len-interpolation-factor {linear} must be positive")
         if self.use_rope_scaling:
-            _require(self.rope_scaling_factor > 0, f"--rope-scaling-factor {self.rope_scaling_factor} must be positive")
-            _require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
-                     f"--rope-scaling-low-freq-factor {self.rope_scaling_low_freq_factor} must be positive and "
-                     f"below --rope-scaling-high-freq-factor {self.rope_scaling_high_freq_factor}")
-            _require(self.rope_scaling_original_max_position_embeddings > 0,
-                     f"--rope-scaling-original-max-position-embeddings "
-                     f"{self.rope_scaling_original_max_position_embeddings} must be positive")
+            _require(self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
+                     f"--rope-scaling-low-freq-factor {self.rope_scaling_low_freq_factor} must be below "
+                     f"--rope-scaling-high-freq-factor {self.rope_scaling_high_freq_factor}")
 
     def validate_moe(self) -> None:
         """Rules of the mixture-of-experts flags that need no layout (the layout rules are in Config.validate)."""
-        if self.num_experts is None:
-            for name in ("moe_ffn_hidden_size", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size"):
-                _require(getattr(self, name) is None, f"{flag_name(name)} needs --num-experts")
-            _require(not self.moe_grouped_gemm, "--moe-grouped-gemm needs --num-experts")
+        if self.num_experts is None:  # every MoE flag declares Requires("num_experts")
             return
         e, k = self.num_experts, self.moe_router_topk
-        _require(e >= 1, f"--num-experts {e} must be positive")
-        _require(1 <= k <= e, f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
+        _require(k <= e, f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
         _require(self.disable_bias_linear, "--num-experts needs --disable-bias-linear (experts hold bias-free "
                  "[experts, in, out] weights, as Megatron-LM's GroupedMLP)")
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            value = getattr(self, name)
-            _require(value is None or value > 0, f"{flag_name(name)} {value} must be positive")
-        _require(self.moe_aux_loss_coeff >= 0, f"--moe-aux-loss-coeff {self.moe_aux_loss_coeff} must be >= 0")
-        _require(self.moe_z_loss_coeff is None or self.moe_z_loss_coeff >= 0,
-                 f"--moe-z-loss-coeff {self.moe_z_loss_coeff} must be >= 0")
-        cf = self.moe_expert_capacity_factor
-        _require(cf is None or cf > 0, f"--moe-expert-capacity-factor {cf} must be positive")
-        _require(not self.moe_pad_expert_input_to_capacity or cf is not None,
-                 "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         _require(self.moe_router_load_balancing_type != "sinkhorn" or not self.moe_router_pre_softmax,
                  "--moe-router-pre-softmax does not apply to --moe-router-load-balancing-type sinkhorn")
         pattern = self.moe_layer_pattern  # raises ConfigError on a malformed --moe-layer-freq
@@ -266,6 +252,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_layer_pattern[layer]
+
+    @property
+    def moe_sinkhorn_routing(self) -> bool:
+        """Whether tokens are routed by Sinkhorn-balanced scores (the other balancing types route by plain top-k)."""
+        return self.moe_router_load_balancing_type == "sinkhorn"
 
     @property
     def moe_ffn_size(self) -> int:

@@ -4,22 +4,23 @@ the rules that need the world size are Config.validate's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
-from megatron_like.config.errors import _require, flag_name
+from megatron_like.config.errors import _require
+from megatron_like.config.fields import POSITIVE, Range, Requires
 
 
 @dataclass
 class ParallelConfig:
     """How the model and the batch are split across processes."""
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: Annotated[int, POSITIVE] = 1
     """Processes that split each layer's matmuls (Megatron tensor parallelism)."""
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: Annotated[int, POSITIVE] = 1
     """Pipeline stages that split the layers."""
-    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_layers_per_virtual_pipeline_stage: Annotated[int | None, POSITIVE] = None
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
-    context_parallel_size: int = 1
+    context_parallel_size: Annotated[int, POSITIVE] = 1
     """Processes that split each sequence (context parallelism): each holds 2 of the 2 x cp load-balanced chunks
     and attention exchanges keys and values (--cp-comm-type); docs/context_parallel.md."""
     cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
@@ -31,15 +32,15 @@ class ParallelConfig:
     (inner, consecutive ranks) then the ring across those groups."""
     sequence_parallel: bool = False
     """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
-    expert_model_parallel_size: int = 1
+    expert_model_parallel_size: Annotated[int, POSITIVE, Requires("model.num_experts")] = 1
     """Processes that split the experts of each MoE layer; an expert-parallel group is ep consecutive ranks of
     a data-parallel group (Megatron-LM's layout, docs/moe.md)."""
-    expert_tensor_parallel_size: int | None = None
+    expert_tensor_parallel_size: Annotated[int | None, POSITIVE] = None
     """Tensor parallelism inside each expert (default --tensor-model-parallel-size); the experts' own layout
     etp x ep x expert-dp covers the tp x dp ranks of a stage (Megatron-core's expert rank generator)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks (same as --zero-stage 1)."""
-    zero_stage: int = 0
+    zero_stage: Annotated[int, Range(0, 3)] = 0
     """ZeRO stage over the data-parallel group: 1 optimizer state, 2 + gradients, 3 + parameters."""
     optimizer_cpu_offload: bool = False
     """Keep fp32 master weights and Adam state in host memory, stepped by the C++ Adam."""
@@ -50,19 +51,11 @@ class ParallelConfig:
     step runs unit by unit during the next forward; at ZeRO-3 the next unit is gathered while one computes."""
     distributed_backend: Literal["nccl", "gloo"] | None = None
     """Collective backend; by default NCCL when a GPU is present, else gloo."""
-    distributed_timeout_minutes: float = 10.0
+    distributed_timeout_minutes: Annotated[float, POSITIVE] = 10.0
     """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
 
     def validate(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                     "expert_model_parallel_size"):
-            value = getattr(self, name)
-            _require(value >= 1, f"{flag_name(name)} {value} must be at least 1")
-        _require(self.zero_stage in (0, 1, 2, 3), f"--zero-stage {self.zero_stage} must be 0, 1, 2 or 3")
-        _require(
-            self.distributed_timeout_minutes > 0,
-            f"--distributed-timeout-minutes {self.distributed_timeout_minutes} must be positive",
-        )
+        """The rules between fields (each field's range is declared on it: fields.py)."""
         self.validate_context_parallel()
         if self.use_distributed_optimizer and self.zero_stage == 0:
             self.zero_stage = 1  # Megatron's name for ZeRO-1

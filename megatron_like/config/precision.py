@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from megatron_like.config.errors import _require
+from megatron_like.config.fields import POSITIVE
 
 
 @dataclass
@@ -15,20 +17,16 @@ class PrecisionConfig:
     """Half-precision (fp16) parameters and activations with fp32 master weights and loss scaling."""
     bf16: bool = False
     """bfloat16 parameters and activations with fp32 master weights."""
-    loss_scale: float | None = None
+    loss_scale: Annotated[float | None, POSITIVE] = None
     """Static fp16 loss scale; without it the scale is dynamic."""
-    initial_loss_scale: float = 2.0**32
+    initial_loss_scale: Annotated[float, POSITIVE] = 2.0**32
     """First dynamic loss scale."""
-    min_loss_scale: float = 1.0
+    min_loss_scale: Annotated[float, POSITIVE] = 1.0
     """The dynamic loss scale never backs off below this."""
-    loss_scale_window: int = 1000
+    loss_scale_window: Annotated[int, POSITIVE] = 1000
     """Clean iterations before the dynamic loss scale doubles."""
-    hysteresis: int = 2
+    hysteresis: Annotated[int, POSITIVE] = 2
     """Overflowing iterations tolerated before the dynamic loss scale halves."""
 
     def validate(self) -> None:
         _require(not (self.fp16 and self.bf16), "--fp16 and --bf16 are exclusive: pick one")
-        if self.loss_scale is not None:
-            _require(self.loss_scale > 0, f"--loss-scale {self.loss_scale} must be positive")
-        _require(self.loss_scale_window > 0, f"--loss-scale-window {self.loss_scale_window} must be > 0")
-        _require(self.hysteresis > 0, f"--hysteresis {self.hysteresis} must be positive")

@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from megatron_like.config.errors import _require
+from megatron_like.config.fields import NON_NEGATIVE, POSITIVE, Range
 
 
 @dataclass
 class TrainingConfig:
     """Batch sizes, length of the run and the seed."""
 
-    micro_batch_size: int = 2
+    micro_batch_size: Annotated[int, POSITIVE] = 2
     """Samples per forward/backward pass on one data-parallel rank."""
-    global_batch_size: int | None = None
+    global_batch_size: Annotated[int | None, POSITIVE] = None
     """Samples per optimizer step across all data-parallel ranks; defaults to micro batch * dp."""
-    train_iters: int = 10
+    train_iters: Annotated[int, NON_NEGATIVE] = 10
     """Optimizer steps to run."""
-    seed: int = 1234
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 1234
     """Seed of weights, dropout and data order; runs with the same seed are identical."""
 
     def validate(self) -> None:
-        _require(self.micro_batch_size > 0, f"--micro-batch-size {self.micro_batch_size} must be positive")
-        _require(self.train_iters >= 0, f"--train-iters {self.train_iters} must be >= 0")
+        """Nothing between fields: each field's range is declared on it (fields.py)."""

@@ -201,6 +201,19 @@ class IndexedDataset:
         count = int(self.sizes[first:last].sum(dtype=np.int64))
         return np.frombuffer(self._bin_buffer, dtype=self.dtype, count=count, offset=start)
 
+    def token_id_range(self, chunk_tokens: int = 1 << 22) -> tuple[int, int]:
+        """Return (smallest, largest) token id in ``.bin``, or (0, -1) when it holds no token.
+
+        Reads the whole file, ``chunk_tokens`` at a time (a few MB: bounded memory on any size).
+        """
+        tokens = np.frombuffer(self._bin_buffer, dtype=self.dtype) if self._bin_buffer.size else np.zeros(0)
+        smallest, largest = 0, -1
+        for start in range(0, tokens.size, chunk_tokens):
+            chunk = tokens[start : start + chunk_tokens]
+            low, high = int(chunk.min()), int(chunk.max())
+            smallest, largest = (low, high) if start == 0 else (min(smallest, low), max(largest, high))
+        return smallest, largest
+
     def document_sizes(self) -> np.ndarray:
         """Return int64 [D]: tokens of each document."""
         cum = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])

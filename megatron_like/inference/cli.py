@@ -13,11 +13,13 @@ import os
 
 import torch
 
+from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError, build_parser, config_from_namespace, print_once
+from megatron_like.config.fields import check_declared
 from megatron_like.inference.loading import InferenceModel, load_inference_model
+from megatron_like.model.state import CheckpointLoadError
 from megatron_like.parallel_state import ParallelState
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from megatron_like.training.checkpointing import CheckpointError
 
 
 def inference_parser(description: str) -> argparse.ArgumentParser:
@@ -29,12 +31,17 @@ def inference_parser(description: str) -> argparse.ArgumentParser:
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> tuple[argparse.Namespace, Config]:
-    """Parse ``argv``: the tool's own flags (namespace) and the config flags (not validated as a training run)."""
+    """Parse ``argv``: the tool's own flags (namespace) and the config flags (not validated as a training run; each
+    flag's declared range and needed flags are checked, before any process group)."""
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = config_from_namespace(args, world_size)
     if config.checkpoint.load is None:
         parser.error("--load <checkpoint dir> is required")
+    try:
+        check_declared(config.groups())
+    except ConfigError as error:
+        fail(str(error))
     return args, config
 
 
@@ -61,9 +68,20 @@ def setup(config: Config, data_parallel: bool = False) -> ParallelState:
 
 
 def load(config: Config, ps: ParallelState, iteration: int | None = None) -> InferenceModel:
-    """This rank's chunk of the checkpoint ``--load`` in the layout of ``ps``."""
-    return load_inference_model(config.checkpoint.load, ps, cli_data=config.data, iteration=iteration,
-                                dtype=DTYPES[config.params_dtype_name])
+    """This rank's chunk of the checkpoint ``--load`` in the layout of ``ps``.
+
+    Ranks of different pipeline stages read different files: when one finds a broken file, every rank
+    raises its one-line CheckpointError (none waits for it in generation)."""
+    try:
+        loaded, error = load_inference_model(config.checkpoint.load, ps, cli_data=config.data, iteration=iteration,
+                                             dtype=getattr(torch, config.params_dtype_name),
+                                             given_model=config.model), None
+    except (CheckpointError, CheckpointLoadError) as problem:
+        loaded, error = None, str(problem)
+    agreed = comm.first_error(error, comm.world_group(), ps.device)
+    if agreed is not None:
+        raise CheckpointError(agreed)
+    return loaded
 
 
 def fail(message: str, code: int = 2) -> None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_like.config import Config, DataConfig
+from megatron_like.config import Config, DataConfig, ModelConfig
+from megatron_like.config.compare import given_flag_conflicts
 from megatron_like.model.gpt import GPTModel, chunk_layers
 from megatron_like.model.state import load_full_state, load_into_model, read_saved_config
 from megatron_like.parallel_state import ParallelState
@@ -59,13 +60,20 @@ def tokenizer_overrides(saved: DataConfig, cli: DataConfig | None) -> DataConfig
 
 def load_inference_model(load_dir: str, ps: ParallelState, *, cli_data: DataConfig | None = None,
                          iteration: int | None = None, dtype: torch.dtype = torch.float32,
-                         with_tokenizer: bool = True, model_overrides: dict | None = None) -> InferenceModel:
+                         with_tokenizer: bool = True, model_overrides: dict | None = None,
+                         given_model: ModelConfig | None = None) -> InferenceModel:
     """Build this rank's GPT chunk in ``ps``'s layout and fill it from the checkpoint under ``load_dir``.
+
+    The model is the checkpoint's; ``given_model`` (a tool's parsed model flags) may not contradict it: a model
+    flag given on the command line that differs from the checkpoint is a ValueError (config/compare.py).
 
     ``model_overrides``: ModelConfig fields to change that do not touch the weights (e.g.
     ``{"bias_gelu_fusion": False}`` for tracing without the C++ kernels).
     """
     saved = read_saved_config(load_dir, iteration)
+    conflict = given_flag_conflicts(saved.model, given_model) if given_model is not None else None
+    if conflict is not None:
+        raise ValueError(conflict)
     m = saved.model
     if m.num_attention_heads % ps.tp_size or m.num_layers % ps.pp_size:
         raise ValueError(

@@ -6,7 +6,7 @@ from types import ModuleType
 
 import torch
 
-from megatron_like.kernels._loader import load
+from megatron_like.kernels._loader import CUDA_MODULE_PREFIX, KERNEL_MODULES, csrc_disabled, load
 
 # Must match ml::DType in csrc/common.h.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -30,6 +30,15 @@ def _tracing() -> bool:
     return compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
 
 
+def device_type_of(tensor: torch.Tensor) -> str:
+    """Return the device type the kernel choice sees: ``tensor.device.type``.
+
+    The one place the choice reads it, so a CPU-only test can make CPU tensors look like CUDA ones and
+    drive every wrapper's CUDA branch into a stand-in CUDA twin (tests/unit/test_kernels_cuda_bindings.py).
+    """
+    return tensor.device.type
+
+
 def cpu_supported(*tensors: torch.Tensor | None) -> bool:
     """Return whether the C++ kernels can take these tensors: on CPU, one supported float dtype.
 
@@ -43,7 +52,7 @@ def cpu_supported(*tensors: torch.Tensor | None) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
+        if device_type_of(t) != "cpu" or t.dtype not in DTYPE_CODES:
             return False
         if dtype is None:
             dtype = t.dtype
@@ -78,11 +87,12 @@ def cuda_supported(*tensors: torch.Tensor | None) -> bool:
     """Return whether the CUDA twins can take these tensors: on one CUDA device, float32/bf16/fp16."""
     if _tracing():
         return False
-    devices = {t.device for t in tensors if t is not None}
-    dtypes = {t.dtype for t in tensors if t is not None}
+    present = [t for t in tensors if t is not None]
+    devices = {t.device for t in present}
+    dtypes = {t.dtype for t in present}
     return (
         len(devices) == 1
-        and next(iter(devices)).type == "cuda"
+        and all(device_type_of(t) == "cuda" for t in present)
         and len(dtypes) == 1
         and next(iter(dtypes)) in (torch.float32, torch.bfloat16, torch.float16)
     )
@@ -98,7 +108,34 @@ def pick_kernel(name: str, *tensors: torch.Tensor | None) -> tuple[ModuleType, i
         module = load(name)
         return None if module is None else (module, threads())
     if name in CUDA_TWINS and cuda_supported(*tensors):
-        module = load(f"cuda_{name}")
+        module = load(CUDA_MODULE_PREFIX + name)
         device = next(t.device for t in tensors if t is not None)
-        return None if module is None else (module, torch.cuda.current_stream(device).cuda_stream)
+        return None if module is None else (module, cuda_stream_handle(device))
     return None
+
+
+def cuda_stream_handle(device: torch.device) -> int:
+    """Return the raw ``cudaStream_t`` of ``device``'s current stream, which the CUDA twins launch on."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def kernel_paths() -> list[tuple[str, str, str]]:
+    """Return ``(op, CPU path, CUDA path)`` for every compiled op: what its float tensors run on each device.
+
+    A path is ``csrc <isa>`` (the C++ kernel on that vector path), ``CUDA twin`` or ``PyTorch fallback``
+    with the reason in parentheses; CUDA twins are only loaded when a CUDA device exists.
+    """
+    missing = "PyTorch fallback (MEGATRON_LIKE_NO_CSRC set)" if csrc_disabled() else "PyTorch fallback (not built)"
+    cuda_device = torch.cuda.is_available()
+    rows = []
+    for op in KERNEL_MODULES:
+        module = load(op)
+        cpu = missing if module is None else f"csrc {module.isa()}"
+        if op not in CUDA_TWINS:
+            cuda = "PyTorch fallback (no CUDA twin)"
+        elif not cuda_device:
+            cuda = "no CUDA device"
+        else:
+            cuda = missing if load(CUDA_MODULE_PREFIX + op) is None else "CUDA twin"
+        rows.append((op, cpu, cuda))
+    return rows

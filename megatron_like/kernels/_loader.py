@@ -25,6 +25,8 @@ ISA_ENV_ALIAS = "MEGATRON_LIKE_CSRC_ISA"
 """The older name of ``MEGATRON_LIKE_ISA``, still honoured."""
 ISAS = ("scalar", "avx2", "avx512")
 """The kernel paths, narrowest first."""
+CUDA_MODULE_PREFIX = "cuda_"
+"""``csrc/cuda/<op>.cu`` builds ``megatron_like._csrc.cuda_<op>``: a CUDA twin, which has no ISA switch."""
 
 _cache: dict[str, ModuleType | None] = {}
 _warned = False
@@ -80,10 +82,16 @@ def default_isa(module: ModuleType) -> str:
     return isa
 
 
+def has_isa_switch(name: str) -> bool:
+    """Return whether module ``name`` binds ``set_isa``/``best_isa``: the CPU modules do, CUDA twins do not."""
+    return not name.startswith(CUDA_MODULE_PREFIX)
+
+
 def load(name: str) -> ModuleType | None:
     """Return the compiled module ``megatron_like._csrc.<name>``, or None (fallback) if disabled/missing.
 
-    On first import the module is pinned to :func:`default_isa` (``MEGATRON_LIKE_ISA`` or the CPU's widest).
+    On first import a CPU module is pinned to :func:`default_isa` (``MEGATRON_LIKE_ISA`` or the CPU's
+    widest); a CUDA twin (``cuda_<op>``) binds only its kernels and is used as imported.
     """
     if csrc_disabled():
         return None
@@ -94,7 +102,8 @@ def load(name: str) -> ModuleType | None:
             _cache[name] = None
             _warn_missing(name, error)
         else:
-            module.set_isa(default_isa(module))
+            if has_isa_switch(name):
+                module.set_isa(default_isa(module))
             _cache[name] = module
     return _cache[name]
 

@@ -147,6 +147,7 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
         inference_context=None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this chunk.
 
@@ -159,6 +160,8 @@ class GPTModel(nn.Module):
             inference_context: a KV cache (``megatron_like.inference.KVCache``) for generation: the
                 layers attend over the cached tokens and the last chunk computes the logits of the
                 last position only (``[b, 1, v / tp]``).
+            document_ids: int64 ``[b, s]`` ids of the packed documents (``--reset-attention-mask``; every chunk):
+                attention stays within equal ids. None: each sample is one sequence.
         Returns:
             the per-token loss ``[b, s]`` (float32) on the last chunk when ``labels`` are given, its
             logits ``[b, s, v / tp]`` otherwise, and the hidden states for the next stage elsewhere.
@@ -176,7 +179,7 @@ class GPTModel(nn.Module):
                 return hidden_states
             hidden_states = hidden_states[-1:]  # generation needs only the next-token logits
         else:
-            hidden_states = forward_layers(self.layers, hidden_states, self.config)  # recompute-aware
+            hidden_states = forward_layers(self.layers, hidden_states, self.config, document_ids)  # recompute-aware
             if not self.post_process:
                 return hidden_states
 

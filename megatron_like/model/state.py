@@ -32,7 +32,7 @@ from torch import nn
 from megatron_like.config import Config, ModelConfig
 from megatron_like.model.gpt import WORD_EMBEDDINGS, GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
-from megatron_like.training.checkpointing import shard_dir_name
+from megatron_like.training.checkpointing import read_tracker, shard_dir_name
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -217,25 +217,24 @@ def checkpoint_iteration_dir(root: str, iteration: int | None = None) -> str:
     """``<root>/iter_XXXXXXX`` of ``iteration`` (default: the latest one)."""
     if iteration is None:
         tracker = os.path.join(root, TRACKER_FILE)
+        if os.path.isfile(root):
+            raise CheckpointLoadError(f"--load {root} is a file; pass the checkpoint directory (the one holding "
+                                      f"{TRACKER_FILE})")
         if not os.path.exists(tracker):
             raise CheckpointLoadError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
-        with open(tracker) as f:
-            text = f.read().strip()
-        if not text.isdigit():
-            raise CheckpointLoadError(f"{tracker} holds {text!r}, not an iteration number")
-        iteration = int(text)
+        iteration = read_tracker(tracker)
     path = os.path.join(root, f"iter_{iteration:07d}")
     if not os.path.isdir(path):
         raise CheckpointLoadError(f"checkpoint directory {path} is missing")
     return path
 
 
-def _load(path: str) -> dict:
-    # mmap: the optimizer state stored beside the weights is never read from disk. Imported here: the
-    # training package imports this module. Its errors are one line naming the file and the problem.
+def _load(path: str, verify: bool = True) -> dict:
+    # mmap: tensors are read only when used (verify reads the whole file once to check its checksums).
+    # Imported here: the training package imports this module. Its errors are one line naming the file.
     from megatron_like.training.checkpoint_validation import read_checkpoint_file
 
-    return read_checkpoint_file(path, mmap=True)
+    return read_checkpoint_file(path, mmap=True, verify=verify)
 
 
 def is_torch_dist(it_dir: str) -> bool:
@@ -258,7 +257,7 @@ def read_saved_config(root: str, iteration: int | None = None) -> Config:
     path = os.path.join(first_shard_dir(it_dir), CHECKPOINT_FILE)
     if not os.path.exists(path):
         raise CheckpointLoadError(f"checkpoint file {path} is missing")
-    return Config.from_dict(_load(path)["config"])
+    return Config.from_dict(_load(path, verify=False)["config"])  # its weights' load verifies the file
 
 
 def load_full_state(root: str, iteration: int | None = None,

@@ -35,6 +35,7 @@ from megatron_like.kernels import (
 )
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.attention_mask import sliding_window_mask
+from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
 from megatron_like.model.context_parallel import context_parallel_attention, cp_positions
 from megatron_like.model.norms import build_norm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
@@ -71,10 +72,13 @@ class SelfAttention(nn.Module):
     """Self-attention over this rank's ``heads / tp`` query heads and ``groups / tp`` key/value heads.
 
     Causal (GPT) or bidirectional (ViT); causal attention may be limited to a sliding window of the last
-    ``--window-size`` keys (``model/attention_mask.py``; Mistral). With grouped-query attention ``heads / groups``
-    query heads share one key/value head (multi-head attention: groups = heads). The fused QKV weight is laid out
-    group by group (Megatron-LM's layout): output features ``[groups, heads / groups + 2, head_dim]``, each group's
-    query heads then its key and its value. A contiguous tp slice so holds whole groups with their queries.
+    ``--window-size`` keys (Mistral) and to the query's own document (packed sequences, ``--reset-attention-mask``:
+    ``document_ids [b, s]``). Those two go through the blockwise core (``model/blockwise_attention.py``), which
+    skips the key blocks no query may see; plain causal attention stays on SDPA. With grouped-query attention
+    ``heads / groups`` query heads share one key/value head (multi-head attention: groups = heads). The fused QKV
+    weight is laid out group by group (Megatron-LM's layout): output features ``[groups, heads / groups + 2,
+    head_dim]``, each group's query heads then its key and its value. A contiguous tp slice so holds whole groups
+    with their queries.
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
@@ -160,22 +164,44 @@ class SelfAttention(nn.Module):
             return None
         return sliding_window_mask(s, self.window, device)
 
-    def core_attention(self, qkv: torch.Tensor) -> torch.Tensor:
+    def skips_masked_blocks(self, s: int, document_ids: torch.Tensor | None) -> bool:
+        """Whether the blockwise core serves this call: a window shorter than the sequence or packed documents,
+        outside torch.compile / torch.export (the core plans its tiles in Python from the actual positions)."""
+        if torch.compiler.is_compiling():
+            return False
+        return document_ids is not None or (self.window is not None and self.window < s)
+
+    def dense_mask(self, s: int, device: torch.device, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """bool ``[s, s]`` or ``[b, 1, s, s]`` (True = attend) for the dense cores, None when plain causal or
+        bidirectional attention is the same thing: the window's band, and with documents the pairs of one
+        document (only under compilation; else the blockwise core takes them)."""
+        if document_ids is None:
+            return self.window_mask(s, device)
+        positions = torch.arange(s, device=device)
+        window_left = None if self.window is None else self.window - 1
+        return allowed_pairs(positions, positions, document_ids, document_ids, window_left, self.causal)[:, None]
+
+    def core_attention(self, qkv: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal or not: ``[s, b, (np + 2 ng) hd]`` -> ``[s, b, np * hd]``.
 
-        Sequence parallelism gathered the whole sequence in the QKV linear, so the mask (causal, or the sliding
-        window's band) is that of the full sequence on every tp rank; heads are what tp splits.
+        Sequence parallelism gathered the whole sequence in the QKV linear, so the masking (causal, the sliding
+        window, ``document_ids [b, s]``) is that of the full sequence on every tp rank; heads are what tp splits.
         """
         q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
+        blockwise = self.skips_masked_blocks(q.shape[2], document_ids)
         grouped = self.groups_per_rank != self.heads_per_rank
-        band = self.window_mask(q.shape[2], q.device) if self.context_parallel is None else None
+        band = None if blockwise or self.context_parallel is not None else self.dense_mask(q.shape[2], q.device,
+                                                                                          document_ids)
+        window_left = None if self.window is None else self.window - 1
         # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
             if self.context_parallel is not None:  # the other cp ranks hold the rest of the sequence
-                context = context_parallel_attention(
-                    q, k, v, self.context_parallel, window_left=None if self.window is None else self.window - 1,
-                    causal=self.causal, dropout_p=dropout_p)
+                context = context_parallel_attention(q, k, v, self.context_parallel, window_left=window_left,
+                                                     causal=self.causal, dropout_p=dropout_p, document_ids=document_ids)
+            elif blockwise:
+                context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
+                                                 window_left=window_left, causal=self.causal, dropout_p=dropout_p)
             elif self.backend == "sdpa":
                 context = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=self.causal and band is None,
@@ -188,7 +214,8 @@ class SelfAttention(nn.Module):
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
                         band: torch.Tensor | None = None) -> torch.Tensor:
         """The attention core written out: q ``[b, np, s, hd]``, k, v ``[b, ng, s, hd]`` -> ``[b, np, s, hd]``;
-        ``band``: the sliding window's bool ``[s, s]`` (True = attend), None for plain causal or bidirectional."""
+        ``band``: bool ``[s, s]`` or ``[b, 1, s, s]`` (True = attend, see ``dense_mask``), None for plain causal or
+        bidirectional."""
         repeat = self.heads_per_rank // self.groups_per_rank
         if repeat > 1:  # each key/value head serves the `repeat` consecutive query heads of its group
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -231,14 +258,17 @@ class SelfAttention(nn.Module):
         )  # (b, np, s, hd)
         return self.merge_heads(context)
 
-    def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
-        """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation)."""
+    def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation);
+        ``document_ids``: int64 ``[b, s]`` of packed documents, attention stays within equal ids (None: one
+        sequence)."""
         if inference_context is not None:
             return self.proj(self.cached_attention(self.qkv(x), inference_context))
         qkv = self.qkv(x)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            return self.proj(checkpoint(self.core_attention, qkv))
-        return self.proj(self.core_attention(qkv))
+            return self.proj(checkpoint(self.core_attention, qkv, document_ids))
+        return self.proj(self.core_attention(qkv, document_ids))
 
 
 class MLP(nn.Module):
@@ -305,20 +335,25 @@ class TransformerLayer(nn.Module):
         with sharded_dropout_context(self.sequence_parallel):
             return F.dropout(x, p=self.hidden_dropout, training=True)
 
-    def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """``[s, b, h]`` (``[s / tp, b, h]`` with sequence parallelism) -> same shape.
 
-        ``inference_context`` (generation only): the KV cache passed to attention, see SelfAttention.
+        ``inference_context`` (generation only): the KV cache passed to attention, see SelfAttention;
+        ``document_ids`` int64 ``[b, s]``: packed documents (attention stays within each), None for one sequence.
         """
         if inference_context is not None:
             x = x + self.attention(self.ln1(x), inference_context)
             return x + self.mlp(self.ln2(x))
-        x = x + self.dropout(self.attention(self.ln1(x)))
+        x = x + self.dropout(self.attention(self.ln1(x), document_ids=document_ids))
         return x + self.dropout(self.mlp(self.ln2(x)))
 
 
-def forward_layers(layers: nn.ModuleList, hidden_states: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+def forward_layers(layers: nn.ModuleList, hidden_states: torch.Tensor, config: ModelConfig,
+                   document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``layers`` in order on ``[s, b, h]``, with full recomputation when configured and training.
+
+    ``document_ids`` int64 ``[b, s]`` (packed documents, None for one sequence) reach every layer's attention.
 
     ``uniform`` checkpoints consecutive groups of ``--recompute-num-layers`` layers (only each group's
     input is kept); ``block`` checkpoints the first ``--recompute-num-layers`` layers of this chunk one
@@ -330,20 +365,24 @@ def forward_layers(layers: nn.ModuleList, hidden_states: torch.Tensor, config: M
     )
     if not recompute:
         for layer in layers:
-            hidden_states = layer(hidden_states)
+            hidden_states = layer(hidden_states, document_ids=document_ids)
         return hidden_states
     n = config.recompute_num_layers
     if config.recompute_method == "uniform":
         for start in range(0, len(layers), n):
             group = layers[start : start + n]
 
-            def run_group(x: torch.Tensor, group: nn.ModuleList = group) -> torch.Tensor:
+            def run_group(x: torch.Tensor, documents: torch.Tensor | None, group: nn.ModuleList = group
+                          ) -> torch.Tensor:
                 for layer in group:
-                    x = layer(x)
+                    x = layer(x, document_ids=documents)
                 return x
 
-            hidden_states = checkpoint(run_group, hidden_states)
+            hidden_states = checkpoint(run_group, hidden_states, document_ids)
         return hidden_states
     for index, layer in enumerate(layers):
-        hidden_states = checkpoint(layer, hidden_states) if index < n else layer(hidden_states)
+        if index < n:
+            hidden_states = checkpoint(layer, hidden_states, None, document_ids)
+        else:
+            hidden_states = layer(hidden_states, document_ids=document_ids)
     return hidden_states

@@ -110,6 +110,8 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     ``device`` matters for ``--attention-backend sdpa``: CUDA runs flash kernels (dropout included) that
     keep no ``[s, s]`` tensor; on CPU, attention dropout makes torch take its math path, which keeps the
     fp32 softmax, fp32 dropout mask and fp32 dropout output, and fp32 copies of q and k (and v for 16-bit).
+    A sliding window shorter than the sequence and packed documents take the blockwise core with either backend,
+    which keeps what flash attention keeps.
     """
     m, p = config.model, config.parallel
     s, b, h, a = local_seq_length(config), config.training.micro_batch_size, m.hidden_size, m.num_attention_heads
@@ -118,9 +120,15 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     masks = 2 if m.hidden_dropout > 0 else 0
     norm_input = e if m.normalization == "LayerNorm" else e + 4 / h  # RMSNorm: input and fp32 1/rms per row
     replicated = (2 * norm_input + 2 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
+    window = m.attention_window
+    # context parallelism runs every mode on the blockwise core
+    blockwise = (window is not None and window < m.seq_length) or config.data.reset_attention_mask \
+        or p.context_parallel_size > 1
     qkv = (1 + 2 * group_ratio) * e
     if m.position_embedding_type == "rope":
         qkv += (2 + group_ratio) * e  # rotated Q, rotated K widened to a heads, a g-head copy
+        if blockwise:  # its output is laid out sequence first: the merge of the heads is a view, not a copy
+            qkv -= e
     elif m.query_groups != a:
         qkv += e  # Q copied out of the grouped QKV layout
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate/up output 2f, result f; GELU: input, output
@@ -133,12 +141,12 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         replicated += moe_fraction * (moe_mlp_activation_bytes(config) - dense_mlp)
     core = 0.0
     attention_dropout = m.attention_dropout > 0
-    if p.context_parallel_size > 1:  # the blockwise core of every cp mode keeps only its log-sum-exp
-        core = 4 * a * s * b / tp
-        if p.cp_comm_type == "all_gather":
-            core += 2 * group_ratio * e * s * p.context_parallel_size * b * h / tp
-    elif recompute != "selective":
-        if m.attention_core == "local":
+    if recompute != "selective":
+        if blockwise:  # model/blockwise_attention.py keeps no [s, s] tensor (dropout included), only its lse
+            core = 4 * a * s * b / tp
+            if p.context_parallel_size > 1 and p.cp_comm_type == "all_gather":  # and the gathered K and V
+                core += 2 * group_ratio * e * m.seq_length * b * h / tp
+        elif m.attention_core == "local":
             core = (e + (1 + e if attention_dropout else 0)) * a * s * s * b / tp
         elif device == "cpu" and attention_dropout:
             core = 12 * a * s * s * b / tp

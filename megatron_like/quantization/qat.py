@@ -95,6 +95,40 @@ def insert_fake_quant(model: nn.Module, ps: ParallelState, moving_rate: float = 
 # exactly in any summation order.
 _EXACT_FP32_CHUNK = 1024
 
+INT_MM_MIN_ROWS = 17
+"""``torch._int_mm`` on CUDA (cuBLASLt) refuses a left operand of 16 rows or fewer, e.g. a decode step's."""
+INT_MM_MULTIPLE = 8
+"""``torch._int_mm`` on CUDA also needs the inner and output sizes to be positive multiples of 8."""
+
+
+def int_mm_shape(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """Return the smallest ``(rows, inner, cols) >= (m, k, n)`` that ``torch._int_mm`` accepts on CUDA.
+
+    Zero rows and columns add nothing to any product, so padding to this shape and slicing back is exact.
+    """
+
+    def round_up(size: int) -> int:
+        return max(INT_MM_MULTIPLE, -(-size // INT_MM_MULTIPLE) * INT_MM_MULTIPLE)
+
+    return max(m, INT_MM_MIN_ROWS), round_up(k), round_up(n)
+
+
+def padded_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [m, k]`` int8 times ``b [k, n]`` int8 -> exact int32 ``[m, n]`` by ``torch._int_mm`` at any shape.
+
+    Operands are zero-padded to :func:`int_mm_shape` when they miss its rules (a decode step's few rows:
+    a copy of ``x``; a weight whose sizes are not multiples of 8: a copy of the weight on every call).
+    ``b`` is padded in its transposed layout, so a ``weight.t()`` view stays column-major as cuBLASLt likes.
+    """
+    m, k = a.shape
+    n = b.shape[1]
+    rows, inner, cols = int_mm_shape(m, k, n)
+    if (rows, inner) != (m, k):
+        a = F.pad(a, (0, inner - k, 0, rows - m))
+    if (inner, cols) != (k, n):
+        b = F.pad(b.t(), (0, inner - k, 0, cols - n)).t()
+    return torch._int_mm(a, b)[:m, :n]
+
 
 def exact_int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [m, k]`` int8 times ``b [k, n]`` int8 -> exact int32 ``[m, n]``.
@@ -102,10 +136,11 @@ def exact_int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     On CPU, ``torch._int_mm`` is not exact everywhere: oneDNN's int8 GEMM on a CPU without AVX-512 VNNI
     (AVX2) multiplies through ``vpmaddubsw``, whose int16 pair sums saturate (an error of 22261 on random
     codes of a 15x16 @ 16x8 product). So the CPU path runs float32 GEMMs over chunks of 1024 along ``k`` (each
-    exact, see above) and sums the chunks in int32. Elsewhere (CUDA) ``torch._int_mm`` accumulates in int32.
+    exact, see above) and sums the chunks in int32. Elsewhere (CUDA) ``torch._int_mm`` accumulates in int32,
+    on operands padded to the shapes it accepts (:func:`padded_int_mm`).
     """
     if a.device.type != "cpu":
-        return torch._int_mm(a, b)
+        return padded_int_mm(a, b)
     out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
     for start in range(0, a.shape[1], _EXACT_FP32_CHUNK):
         stop = start + _EXACT_FP32_CHUNK

@@ -8,7 +8,13 @@
   the tensors are not copied): a truncated or garbage file, an unreadable one and a pickle that holds
   anything but tensors, numbers, strings and containers (an "unsafe pickle") are refused;
 * the saved model shape and parallel layout equal this run's (``check_compatible``), the saved
-  tensors have this rank's names and shapes, and ZeRO optimizer shards fit the data-parallel layout.
+  tensors have this rank's names and shapes, and ZeRO optimizer shards fit the data-parallel layout;
+* torch_dist: ``common.pt``, the DCP index (unpickled with an allow-list, storage names plain), every
+  ``.distcp`` file it names (present, long enough) and this rank's keys and shapes, vocabulary included
+  (``dist_checkpointing.check_dist_checkpoint``).
+
+The checksums of every byte are verified by the load itself as it reads them (``checkpoint_integrity.py``);
+``load_checkpoint`` and DCP make every rank agree on a failure there too.
 
 Then the ranks agree (:func:`megatron_like.collectives.first_error`): if any rank found a problem, every
 rank raises the same one-line :class:`CheckpointError` naming the file and the problem, so no rank
@@ -32,16 +38,15 @@ from torch import nn
 from megatron_like import collectives as comm
 from megatron_like.config import Config
 from megatron_like.parallel_state import ParallelState
+from megatron_like.training.checkpoint_integrity import verify_archive
 from megatron_like.training.checkpointing import (
     DCP_METADATA,
-    DIST_COMMON_FILE,
     MISSING_HINT,
     RESHARD_HINT,
     TRACKER_FILE,
     CheckpointError,
     _check_optimizer_layout,
     check_compatible,
-    check_same_model,
     check_torch_format_expert_tp,
     checkpoint_dir,
     is_dist_checkpoint,
@@ -54,10 +59,12 @@ from megatron_like.training.checkpointing import (
 _GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
-def read_checkpoint_file(path: str, mmap: bool = False) -> dict[str, Any]:
+def read_checkpoint_file(path: str, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)`` to the CPU; any failure is a one-line CheckpointError.
 
-    ``mmap=True`` maps the tensors instead of reading them (a cheap full check of the archive and pickle).
+    ``verify``: first check every record against the CRC-32 it was saved with (a full read of the file;
+    a file saved without checksums loads with a one-line notice). ``mmap=True`` maps the tensors instead
+    of reading them: with ``verify=False`` a cheap check of the archive and pickle.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing")
@@ -69,6 +76,9 @@ def read_checkpoint_file(path: str, mmap: bool = False) -> dict[str, Any]:
                               f"an earlier saved iteration into {TRACKER_FILE}") from None
     except OSError as error:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {error}") from None
+    if verify and not verify_archive(path, path):
+        print(f" > checkpoint file {path} was saved without checksums (CRC-32 off in torch.save): loaded without "
+              "verifying its bytes", flush=True)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:  # weights-only loading met an object it will not build
@@ -121,12 +131,11 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but {iteration_dir} "
                               "does not exist; write the number of an existing iter_ directory into it")
     if is_dist_checkpoint(root, iteration):
-        # torch_dist: DCP checks every key and global shape when it plans the load (one-line error naming
-        # the flag); here the one pickled file every rank reads, before any rank trains.
-        common = os.path.join(iteration_dir, DIST_COMMON_FILE)
-        if not os.path.isfile(common):
-            raise CheckpointError(f"checkpoint file {common} is missing; the torch_dist checkpoint is incomplete")
-        check_same_model(read_checkpoint_file(common), config, common)
+        # torch_dist: common.pt, the index (unpickled with an allow-list), every .distcp file it names (exists,
+        # long enough) and this rank's keys and shapes; the pieces' checksums are verified as they are read.
+        from megatron_like.training.dist_checkpointing import check_dist_checkpoint  # imports DCP
+
+        check_dist_checkpoint(iteration_dir, config, ps, model)
         return
     if any(name.endswith(".distcp") for name in os.listdir(iteration_dir)):
         raise CheckpointError(f"{iteration_dir} holds torch_dist pieces but no {DCP_METADATA} index (an interrupted "
@@ -136,7 +145,7 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     path = rank_file(directory, 0)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing ({MISSING_HINT})")
-    state = read_checkpoint_file(path, mmap=True)
+    state = read_checkpoint_file(path, mmap=True, verify=False)  # the load verifies the checksums
     for key in ("iteration", "config", "model"):
         if key not in state:
             raise CheckpointError(f"checkpoint file {path} has no {key!r} entry; is it a model_optim_rng.pt?")
@@ -147,7 +156,7 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     if replica_rank(ps) > 0:
         own_path = rank_file(directory, replica_rank(ps))
         if os.path.exists(own_path):
-            read_checkpoint_file(own_path, mmap=True)
+            read_checkpoint_file(own_path, mmap=True, verify=False)
         elif optimizer_is_sharded(optimizer) and config.checkpoint.load_optim:
             raise CheckpointError(f"checkpoint file {own_path} (this rank's ZeRO shard) is missing; {RESHARD_HINT}")
     if optimizer is not None and config.checkpoint.load_optim and state.get("optimizer") is not None:

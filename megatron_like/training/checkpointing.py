@@ -20,15 +20,17 @@ without ZeRO), ``scheduler`` and ``rng`` (python, numpy, torch and the tensor-pa
 Crash safety: every file is written under a temporary name, fsynced and renamed; ranks then meet at a
 barrier and only afterwards rank 0 replaces the tracker the same way. A save killed at any point leaves
 the previous tracker pointing at a complete checkpoint. Loading uses ``torch.load(weights_only=True)``:
-tensors, numbers, strings and containers only, never arbitrary pickle.
+tensors, numbers, strings and containers only, never arbitrary pickle, after checking the CRC-32 that
+torch.save wrote for every record (``checkpoint_integrity.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 import numpy as np
@@ -36,7 +38,8 @@ import torch
 from torch import nn
 
 from megatron_like import collectives as comm
-from megatron_like.config import Config, ModelConfig
+from megatron_like.config import Config
+from megatron_like.config.compare import refused_model_change
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
 from megatron_like.training.resume import resume_notice
@@ -99,6 +102,24 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
     finally:
         os.close(directory)
     _fault("renamed")
+
+
+@contextlib.contextmanager
+def checksummed_saves() -> Iterator[None]:
+    """torch.save writes the CRC-32 of every record of its archive (its default, forced on here): the
+    checksums every load verifies (``checkpoint_integrity.py``)."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def save_atomically(path: str, state: dict[str, Any]) -> None:
+    """``torch.save(state)`` to ``path`` through :func:`write_atomically`, every record with its CRC-32."""
+    with checksummed_saves():
+        write_atomically(path, lambda f: torch.save(state, f))
 
 
 def rng_state() -> dict[str, Any]:
@@ -178,7 +199,7 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             dp_size=ps.dp_size,
         )
-    write_atomically(rank_file(path, replica), lambda f: torch.save(state, f))
+    save_atomically(rank_file(path, replica), state)
     comm.barrier()
     if ps.rank == 0:
         write_tracker(root, iteration)
@@ -192,16 +213,27 @@ def write_tracker(root: str, iteration: int) -> None:
     write_atomically(os.path.join(root, TRACKER_FILE), lambda f: f.write(f"{iteration}\n".encode()))
 
 
+def read_tracker(tracker: str) -> int:
+    """The iteration the tracker file ``tracker`` names; a one-line CheckpointError when it holds anything else."""
+    try:
+        with open(tracker, "rb") as f:
+            raw = f.read(64)
+    except OSError as error:
+        raise CheckpointError(f"{tracker} cannot be read: {error.strerror or error}") from None
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):
+        shown = repr(text[:40].decode()) if text.isascii() else repr(text[:40])  # bytes that are no text: b'\xff'
+        raise CheckpointError(f"{tracker} holds {shown}, not an iteration number; write the number of a "
+                              "saved iteration into it (or delete it to start from scratch)")
+    return int(text)
+
+
 def latest_iteration(root: str) -> int | None:
     """The iteration ``<root>/latest_checkpointed_iteration.txt`` names (None when there is none)."""
     tracker = os.path.join(root, TRACKER_FILE)
     if not os.path.exists(tracker):
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number; fix or delete it")
-    return int(text)
+    return read_tracker(tracker)
 
 
 DIST_COMMON_FILE = "common.pt"
@@ -221,19 +253,11 @@ def is_dist_checkpoint(root: str, iteration: int) -> bool:
 
 
 def check_same_model(saved: dict, config: Config, path: str) -> None:
-    """Refuse a checkpoint (its saved ``config``) whose model shape or architecture differs from this run's."""
-    saved_model = saved["config"]["model"]
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                 "max_position_embeddings", "untie_embeddings_and_output_weights",
-                 "position_embedding_type", "normalization", "swiglu", "group_query_attention",
-                 "num_query_groups", "disable_bias_linear", "add_qkv_bias"):
-        saved_value = saved_model.get(name, ModelConfig.__dataclass_fields__[name].default)  # older checkpoints
-        if saved_value != getattr(config.model, name):
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(
-                f"checkpoint {path} has {flag} {saved_value} but this run has "
-                f"{getattr(config.model, name)}; pass the checkpoint's value"
-            )
+    """Refuse a checkpoint (its saved ``config``) whose model computes something else than this run's: every
+    ModelConfig field declared MUST_MATCH, and FINETUNE_MAY_CHANGE unless --finetune (config/fields.py)."""
+    problem = refused_model_change(saved["config"]["model"], config.model, config.checkpoint.finetune)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} {problem}")
 
 
 def check_compatible(saved: dict, config: Config, path: str) -> None:
@@ -293,7 +317,21 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
 
     The model must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model,
     write_back=True)``). With ``--finetune`` only the weights are read and (0, 0) is returned.
+    Every byte read is checked against its checksum; when any rank finds a problem, every rank raises the
+    same one-line CheckpointError (call on all ranks together, after ``validate_checkpoint``).
     """
+    try:
+        loaded, error = _load_checkpoint(root, config, ps, model, optimizer, scheduler), None
+    except CheckpointError as problem:
+        loaded, error = (0, 0), str(problem)
+    agreed = comm.first_error(error, comm.world_group(), ps.device)
+    if agreed is not None:
+        raise CheckpointError(agreed)
+    return loaded
+
+
+def _load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn.Module],
+                     optimizer: Any, scheduler: Any) -> tuple[int, int]:
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
@@ -311,13 +349,13 @@ def load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[nn
     # torch expects them (a GPU `step` would make CPUAdam sync with the device once per parameter).
     state = _read(path)
     check_compatible(state, config, path)
+    notice = resume_notice(state["config"], state.get("scheduler"), config, scheduler is not None)  # or refuse
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
     for chunk, chunk_state in zip(model, state["model"]):
         chunk.load_state_dict(chunk_state)
     if config.checkpoint.finetune:
         return 0, 0
-    notice = resume_notice(state["config"], state.get("scheduler"), config)
-    if notice and ps.rank == 0:
-        print(notice, flush=True)
     own = state
     if replica_rank(ps) > 0:
         own_path = rank_file(directory, replica_rank(ps))

@@ -24,6 +24,9 @@ tp-replicated tensors, dp rank 0 without ZeRO, expert-dp rank 0 for its experts:
 to one rank of one layout: they are restored when tp, pp, dp and ep sizes are the saved ones, and
 otherwise the run keeps its generators seeded from --seed.
 
+Reading: the index is unpickled only by ``checkpoint_integrity.read_dcp_metadata`` (an allow-list) and handed
+to DCP by the reader; every piece read is checked against the CRC-32 its archive was saved with.
+
 DCP runs its own collectives (gathering the rank plans, a barrier at the end) on the default process
 group, so its ``save`` and ``load`` are called here rather than through ``megatron_like/collectives.py``.
 """
@@ -38,15 +41,17 @@ import dataclasses
 import io
 import os
 import pickle
+import struct
 import threading
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -85,6 +90,13 @@ from megatron_like.optimizer.sharded_state import (
 )
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import checkpointing as ckpt
+from megatron_like.training.checkpoint_integrity import (
+    EARLIER,
+    SavedArchive,
+    check_storage_files,
+    read_dcp_metadata,
+    verify_archive,
+)
 from megatron_like.training.resume import resume_notice
 
 # Format detection lives in checkpointing.py, which every run imports: this module pulls in DCP (and
@@ -176,7 +188,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         return _piece_at(self.state_dict[index.fqn], index.offset)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)  # UnpicklingError: _one_line
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,19 +271,29 @@ class _Window(io.RawIOBase):
 
 
 class _DirectReader(FileSystemReader):
-    """DCP's file reader that reads a whole saved tensor straight into its destination tensor.
+    """DCP's file reader that verifies every piece's checksum and reads a whole saved tensor straight into
+    its destination tensor.
 
-    Taken per item when: the item is the whole saved tensor (not a sub-range of a chunk that this layout
-    splits; at the saved layout every item is whole), the destination is a contiguous CPU tensor of the
-    saved dtype and shape, and the saved tensor is a plain contiguous one without a storage offset. Every
-    other item (bytes, sub-ranges, strided destinations) goes through the parent's ``read_data``.
-    ``direct`` and ``fallback`` count the tensor items each way (tests check which path a load took; bytes
-    always take the parent's).
+    DCP gets the index vetted by :func:`read_dcp_metadata` (``read_metadata`` returns it; the file is never
+    unpickled by DCP). Every item read is checked against the CRC-32s its archive was saved with
+    (docs/checkpoints.md): a changed byte is a one-line CheckpointError, never a loaded value.
+
+    The direct read is taken per item when: the item is the whole saved tensor (not a sub-range of a chunk
+    that this layout splits; at the saved layout every item is whole), the destination is a contiguous CPU
+    tensor of the saved dtype and shape, and the saved tensor is a plain contiguous one without a storage
+    offset. Its CRC is computed over the destination's bytes once read. Every other item (bytes, sub-ranges,
+    strided destinations) is checked whole, then read by the parent's ``read_data``. ``direct`` and
+    ``fallback`` count the tensor items each way (tests check which path a load took; bytes always take the
+    parent's).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, metadata: Any) -> None:
         super().__init__(path)
+        self.metadata = metadata
         self.direct = self.fallback = 0
+
+    def read_metadata(self) -> Any:  # no **kwargs: DCP then never asks for a rank-local index instead
+        return self.metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -283,6 +305,8 @@ class _DirectReader(FileSystemReader):
                 # In file order: one forward pass over the file.
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     if item.type == LoadItemType.BYTE_IO or not self._read_into(file, item, planner):
+                        info = self.storage_data[item.storage_index]
+                        verify_archive(_Window(file, info.offset, info.length), self._piece_name(item))
                         rest.append(item)
         self.direct += len(plan.items) - len(rest)
         self.fallback += sum(item.type != LoadItemType.BYTE_IO for item in rest)
@@ -292,39 +316,54 @@ class _DirectReader(FileSystemReader):
         done.set_result(None)
         return done
 
+    def _piece_name(self, item: ReadItem) -> str:
+        """``<dir>/__0_0.distcp (piece model.x at [0, 0])``: where a message points."""
+        info, index = self.storage_data[item.storage_index], item.storage_index
+        at = f" at {list(index.offset)}" if index.offset is not None else ""
+        return f"{os.path.join(self.path, info.relative_path)} (piece {index.fqn}{at})"
+
     def _read_into(self, file: io.RawIOBase, item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read ``item`` into its destination and commit it; False (nothing read) when it does not qualify."""
+        """Read ``item`` into its destination, verify and commit it; False (nothing read) when it does not qualify."""
         info = self.storage_data[item.storage_index]
-        if info.transform_descriptors or any(item.storage_offsets):
+        if any(item.storage_offsets):
             return False
         target = planner.resolve_tensor(item).detach()
         if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
             return False
-        window = _Window(file, info.offset, info.length)
         try:
-            archive = torch._C.PyTorchFileReader(window)
-            saved = _TensorPickle(io.BytesIO(archive.get_record("data.pkl"))).load()
-            byteorder = archive.get_record("byteorder") if archive.has_record("byteorder") else b"little"
-        except (pickle.UnpicklingError, RuntimeError, ValueError, TypeError):
-            return False
+            archive = SavedArchive(_Window(file, info.offset, info.length), self._piece_name(item))
+            saved = _TensorPickle(io.BytesIO(archive.read("data.pkl"))).load()
+            byteorder = archive.read("byteorder") if "byteorder" in archive.records else b"little"
+            if not isinstance(saved, _SavedTensor) or saved.record not in archive.records:
+                return False
+            start = info.offset + archive.data_offset(saved.record)
+        except (pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError, TypeError, struct.error):
+            return False  # not a plain tensor archive: the whole-piece check and DCP's reader say what it is
         lengths = tuple(item.lengths)
-        if not (isinstance(saved, _SavedTensor) and saved.dtype == target.dtype and saved.storage_offset == 0
+        if not (saved.dtype == target.dtype and saved.storage_offset == 0
                 and saved.size == lengths == tuple(target.shape) and saved.storage_numel == target.numel()
                 and (saved.stride == torch.empty(saved.size, device="meta").stride() or target.numel() == 1)
-                and byteorder == b"little" and archive.get_record_size(saved.record) == target.nbytes):
+                and byteorder == b"little" and archive.records[saved.record].file_size == target.nbytes):
             return False
-        file.seek(info.offset + archive.get_record_offset(saved.record))
+        file.seek(start)
         # A view of the destination's bytes through ctypes: `.numpy()` would mark its storage non-resizable,
         # and ZeRO-3 frees gathered parameters by resizing their storage to 0.
         view = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
-        while len(view):
-            got = file.readinto(view)
-            if not got:
-                raise ckpt.CheckpointError(f"{os.path.join(self.path, info.relative_path)} ends inside "
-                                           f"{item.storage_index.fqn} (a truncated checkpoint?)")
-            view = view[got:]
+        archive.check(saved.record, _read_exactly(file, view, self._piece_name(item)))
         planner.commit_tensor(item, target)
         return True
+
+
+def _read_exactly(file: io.RawIOBase, view: memoryview, what: str) -> memoryview:
+    """Fill ``view`` from ``file``; returns it (whole). A file that ends first is a one-line CheckpointError."""
+    rest = view
+    while len(rest):
+        got = file.readinto(rest)
+        if not got:
+            raise ckpt.CheckpointError(f"checkpoint file {what} ends inside the piece (a truncated checkpoint?); "
+                                       f"{EARLIER}")
+        rest = rest[got:]
+    return view
 
 
 @contextlib.contextmanager
@@ -337,18 +376,48 @@ def _process_group_or_none() -> Iterator[bool]:
 
 
 def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> None:
-    with _process_group_or_none() as no_dist:
+    with _process_group_or_none() as no_dist, ckpt.checksummed_saves():
         dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
                  process_group=group)
 
 
-def _dcp_load(state: dict[str, Any], path: str) -> _DirectReader:
-    """Read ``state`` (``GlobalPieces`` in place, None for plain values) from iteration directory ``path``;
-    returns the reader (its counts of items read directly and through DCP's reader)."""
-    reader = _DirectReader(path)
-    with _process_group_or_none() as no_dist:
-        dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=no_dist)
+# What a failed read raises beyond CheckpointError: DCP's wrapper of every rank's errors, or (single process)
+# what its planner and reader raise on data that does not fit.
+_READ_ERRORS = (CheckpointException, KeyError, ValueError, RuntimeError, OSError, EOFError, pickle.UnpicklingError,
+                AssertionError)
+
+
+def _dcp_load(state: dict[str, Any], path: str, metadata: Any = None, no_dist: bool | None = None) -> _DirectReader:
+    """Read ``state`` (``GlobalPieces`` in place, None for plain values) from iteration directory ``path``,
+    whose vetted index is ``metadata`` (default: read here); returns the reader (its counts of items read
+    directly and through DCP's reader). ``no_dist``: read in this process alone (default: when there is no
+    process group). A failure on any rank is the same one-line CheckpointError on every rank (DCP gathers them)."""
+    reader = _DirectReader(path, read_dcp_metadata(path) if metadata is None else metadata)
+    with _process_group_or_none() as alone:
+        no_dist = alone if no_dist is None else no_dist
+        try:
+            dcp.load(state, storage_reader=reader, planner=_LoadPlanner(), no_dist=no_dist)
+        except ckpt.CheckpointError:
+            raise
+        except _READ_ERRORS as error:
+            raise _one_line(error, path) from None
     return reader
+
+
+def _one_line(error: BaseException, path: str) -> ckpt.CheckpointError:
+    """A failed DCP read as one line: the lowest failing rank's CheckpointError, or the error's first line."""
+    rank = None
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+        if isinstance(error, ckpt.CheckpointError):
+            return ckpt.CheckpointError(str(error))
+    if isinstance(error, pickle.UnpicklingError):  # weights-only loading met an object it will not build
+        return ckpt.CheckpointError(f"checkpoint {path} is refused: a piece's pickle holds objects other than tensors, "
+                                    "numbers and strings; this code never writes that, so the file is not one of its "
+                                    "checkpoints (or was tampered with)")
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    where = f" on rank {rank}" if rank is not None else ""
+    return ckpt.CheckpointError(f"reading checkpoint {path} failed{where}: {type(error).__name__}: {text}; {EARLIER}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -467,7 +536,7 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     def write(state: dict[str, Any], group: comm.Group) -> None:
         _dcp_save(state, path, group)
         if ps.rank == 0:  # DCP's save returns once every rank's pieces and the index are written
-            ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+            ckpt.save_atomically(os.path.join(path, COMMON_FILE), common)
             ckpt.write_tracker(root, iteration)
 
     if not config.checkpoint.async_save:
@@ -505,7 +574,29 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
 # --------------------------------------------------------------------------------------------------
 
 
-def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str) -> None:
+def _vocab_multiples(saved_config: dict, config: Config) -> tuple[int, int]:
+    """(saved, this run's) multiple the vocabulary rows are padded to: --make-vocab-size-divisible-by * tp."""
+    saved_model, saved_parallel = saved_config.get("model", {}), saved_config.get("parallel", {})
+    saved = saved_model.get("make_vocab_size_divisible_by", 128) * saved_parallel.get("tensor_model_parallel_size", 1)
+    return saved, config.model.make_vocab_size_divisible_by * config.parallel.tensor_model_parallel_size
+
+
+def _check_vocab_rows(key: str, saved_rows: int, own_rows: int, multiples: tuple[int, int], path: str) -> None:
+    """Refuse a vocabulary other than the saved one. The rows differ legitimately only by padding (another tp
+    pads to another multiple): some real vocabulary size must pad to both row counts, as the torch format
+    at its one layout requires equal rows."""
+    saved_multiple, own_multiple = multiples
+    lowest = max(saved_rows - saved_multiple, own_rows - own_multiple) + 1
+    if lowest > min(saved_rows, own_rows):
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} holds {key} with {saved_rows} rows (a vocabulary of {saved_rows - saved_multiple + 1}"
+            f" to {saved_rows} tokens, padded to a multiple of {saved_multiple}), this model has {own_rows} (a "
+            f"vocabulary of {own_rows - own_multiple + 1} to {own_rows}): a different vocabulary; pass the "
+            "checkpoint's --vocab-size or tokenizer")
+
+
+def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str,
+                  multiples: tuple[int, int]) -> None:
     """Check every key against the checkpoint; trim the vocabulary rows another tp's padding does not have."""
     for key, entry in pieces.items():
         if key not in shapes:
@@ -515,7 +606,39 @@ def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, 
         if saved != own and not vocab:
             raise ckpt.CheckpointError(f"checkpoint {path} holds {key} of shape {list(saved)}, this model's is "
                                        f"{list(own)}: a different model")
+        if vocab:
+            _check_vocab_rows(key, saved[0], own[0], multiples, path)
         entry.pieces = clip_to(entry.pieces, saved)
+
+
+def _tensor_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of every tensor of a DCP index."""
+    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+            if not isinstance(m, BytesStorageMetadata)}
+
+
+def open_dist_checkpoint(path: str, config: Config | None = None) -> tuple[dict, Any]:
+    """``common.pt`` and the vetted DCP index of the torch_dist iteration directory ``path``, after checking
+    both and the existence and length of every ``.distcp`` file (``checkpoint_integrity.py``); with
+    ``config``, also that the saved model shape and architecture are this run's. One-line CheckpointErrors."""
+    from megatron_like.training.checkpoint_validation import read_checkpoint_file  # it imports this module
+
+    common_path = os.path.join(path, COMMON_FILE)
+    if not os.path.exists(common_path):
+        raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?); {EARLIER}")
+    common = read_checkpoint_file(common_path)
+    if config is not None:
+        ckpt.check_same_model(common, config, path)
+    metadata = read_dcp_metadata(path)
+    check_storage_files(path, metadata)
+    return common, metadata
+
+
+def check_dist_checkpoint(path: str, config: Config, ps: ParallelState, model: list[nn.Module]) -> None:
+    """What :func:`load_dist_checkpoint` checks before it reads, without reading: for validation on every rank."""
+    common, metadata = open_dist_checkpoint(path, config)
+    shapes = {key: GlobalPieces(entry.global_shape) for key, entry in model_load_pieces(model, ps).items()}
+    _fit_to_saved(shapes, _tensor_shapes(metadata), path, _vocab_multiples(common["config"], config))
 
 
 def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
@@ -526,13 +649,13 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     write_back=True)``). ``--finetune`` reads the weights only and returns (0, 0).
     """
     path = iteration_dir(root, iteration)
-    common_path = os.path.join(path, COMMON_FILE)
-    if not os.path.exists(common_path):
-        raise ckpt.CheckpointError(f"checkpoint file {common_path} is missing (an interrupted save?)")
-    common = torch.load(common_path, map_location="cpu", weights_only=True)
-    ckpt.check_same_model(common, config, path)
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
-    shapes = {k: tuple(m.size) for k, m in metadata.items() if not isinstance(m, BytesStorageMetadata)}
+    common, index = open_dist_checkpoint(path, config)
+    metadata = index.state_dict_metadata
+    shapes = _tensor_shapes(index)
+    notice = resume_notice(common["config"], common.get("scheduler"), config, scheduler is not None)  # or refuse
+    if notice and ps.rank == 0:
+        print(notice, flush=True)
+    multiples = _vocab_multiples(common["config"], config)
     weights_only = config.checkpoint.finetune
 
     # Parameters. An fp32 run's params are its masters: take the fp32 masters when the checkpoint has them.
@@ -569,18 +692,15 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     if load_rng:
         state[rng_key] = None
 
-    _fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path)
-    _fit_to_saved(second_read, shapes, path)
-    _dcp_load(state, path)
+    _fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path, multiples)
+    _fit_to_saved(second_read, shapes, path, multiples)
+    _dcp_load(state, path, index)
     if masters_from_params:  # every rank takes part, also one with nothing to read
-        _dcp_load(second_read, path)
+        _dcp_load(second_read, path, index)
     for key, buffer in buffers.items():
         buffer.copy_(state[key])
     if weights_only:
         return 0, 0
-    notice = resume_notice(common["config"], common.get("scheduler"), config)
-    if notice and ps.rank == 0:
-        print(notice, flush=True)
     if install is not None:
         install(saved_optim["step"] if saved_optim else None)
         if saved_optim and saved_optim["loss_scaler"] is not None and optimizer.scaler is not None:
@@ -613,7 +733,7 @@ def save_full_state(root: str, iteration: int, config: Config, full: dict[str, t
               "optimizer": None, "layout": _layout(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, dp,
                                                    p.expert_model_parallel_size)}
     common.update(extra or {})
-    ckpt.write_atomically(os.path.join(path, COMMON_FILE), lambda f: torch.save(common, f))
+    ckpt.save_atomically(os.path.join(path, COMMON_FILE), common)
     ckpt.write_tracker(root, iteration)
     return path
 
@@ -623,7 +743,9 @@ def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) 
     call it outside a distributed run, e.g. in a tool or a test). Default: the latest iteration."""
     iteration = ckpt.latest_iteration(root) if iteration is None else iteration
     path = iteration_dir(root, iteration)
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    index = read_dcp_metadata(path)
+    check_storage_files(path, index)
+    metadata = index.state_dict_metadata
     missing = [k for k in keys if k not in metadata]
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path} has no {', '.join(missing)}")
@@ -631,13 +753,10 @@ def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) 
            if not isinstance(metadata[k], BytesStorageMetadata)}
     state: dict[str, Any] = {k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) for k, t in out.items()}
     state.update({k: None for k in keys if k not in out})  # plain values (buffers) are read whole
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=_DirectReader(path), planner=_LoadPlanner(), no_dist=True)
+    _dcp_load(state, path, index, no_dist=True)
     return {k: out[k] if k in out else state[k] for k in keys}
 
 
 def model_keys(path: str) -> list[str]:
     """The ``model.<name>`` keys of the torch_dist checkpoint in iteration directory ``path``."""
-    return sorted(k for k in FileSystemReader(path).read_metadata().state_dict_metadata if k.startswith("model."))
-
+    return sorted(k for k in read_dcp_metadata(path).state_dict_metadata if k.startswith("model."))

@@ -36,7 +36,7 @@ from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
-from megatron_like.training.preflight import check_checkpoint_paths
+from megatron_like.training.preflight import check_run_paths
 from megatron_like.training.signals import ExitConditions
 
 ModelProvider = Callable[..., nn.Module]
@@ -72,7 +72,7 @@ def check_supported(config: Config) -> None:
     if config.training.train_iters < 1:
         raise ConfigError(f"--train-iters {config.training.train_iters} trains nothing; pass a positive number "
                           "(tools/evaluate.py evaluates a checkpoint without training)")
-    check_checkpoint_paths(config.checkpoint)
+    check_run_paths(config)
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:

@@ -69,7 +69,8 @@ def test_resume_with_changed_arguments_says_what_changed_and_what_follows(tmp_pa
     train_gpt(0, 1, SCHEDULE + ["--train-iters", "2", "--save", str(tmp_path)])
     capsys.readouterr()
     resumed = train_gpt(0, 1, SCHEDULE + ["--train-iters", "4", "--lr-decay-iters", "10", "--global-batch-size",
-                                          "4", "--seq-length", "8", "--seed", "7", "--load", str(tmp_path)])
+                                          "4", "--seq-length", "8", "--seed", "7", "--load", str(tmp_path),
+                                          "--override-opt_param-scheduler"])
     assert len(resumed["losses"]) == 2, "a smaller batch after 2 x 8 consumed samples still has data"
     (line,) = resume_lines(capsys.readouterr().out)
     for change in ("--train-iters 2 -> 4", "--lr-decay-iters None -> 10", "--global-batch-size 8 -> 4",
@@ -103,7 +104,6 @@ def schedule_runs(tmp_path_factory) -> dict:
     for name, run_flags in {
         "straight": flags + ["--train-iters", "4"],
         "first": flags + ["--train-iters", "2", "--save", root],
-        "default": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root],
         "override": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root,
                                 "--override-opt_param-scheduler"],
         "use-checkpoint": SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", root,
@@ -112,6 +112,7 @@ def schedule_runs(tmp_path_factory) -> dict:
         log = io.StringIO()
         with contextlib.redirect_stdout(log):
             out[name] = (train_gpt(0, 1, run_flags)["losses"], log.getvalue())
+    out["root"] = root
     return out
 
 
@@ -123,10 +124,21 @@ def test_use_checkpoint_opt_param_scheduler_keeps_the_checkpoints_schedule(sched
     assert "the lr schedule stays the checkpoint's (--use-checkpoint-opt_param-scheduler)" in resume_lines(log)[0]
 
 
-@pytest.mark.parametrize("policy", ["default", "override"])
-def test_this_runs_lr_flags_recompute_the_schedule(schedule_runs, policy):
+def test_a_changed_schedule_without_a_scheduler_flag_is_refused(schedule_runs):
+    """Megatron-LM's rule: neither --override-opt_param-scheduler nor --use-checkpoint-opt_param-scheduler, and the
+    flags define another schedule than the checkpoint's: refused in one line before any weight is loaded."""
+    from megatron_like.training.checkpointing import CheckpointError
+
+    with pytest.raises(CheckpointError) as refused:
+        train_gpt(0, 1, SCHEDULE + ["--lr-decay-iters", "8", "--train-iters", "4", "--load", schedule_runs["root"]])
+    message = str(refused.value)
+    assert "\n" not in message and "decay_iters 4 -> 8" in message, message
+    assert "--override-opt_param-scheduler" in message and "--use-checkpoint-opt_param-scheduler" in message
+
+
+def test_override_opt_param_scheduler_recomputes_the_schedule_from_this_runs_flags(schedule_runs):
     straight, _ = schedule_runs["straight"]
-    losses, log = schedule_runs[policy]
+    losses, log = schedule_runs["override"]
     assert logged_lr(log, 3) == "6.250000E-04"  # 1e-3 * (1 - 3/8): the step count from the checkpoint
     assert losses[0] == straight[2] and losses[1] != straight[3]  # iteration 3 already stepped with another lr
     assert "the lr schedule is recomputed from this run's flags" in resume_lines(log)[0]

@@ -7,8 +7,9 @@ tolerance of test_mixed_precision; bf16 with tensor parallelism: losses, see the
 
 tp 4 holds one key/value group of two query heads per rank, tp 2 two groups; sequence parallelism
 checks the rotary positions (the whole sequence, not each shard's) and the RMSNorm gradient all-reduce.
-"window" adds a sliding window of 6 keys, shorter than the 16-token sequence: every tp rank masks its heads with
-the whole sequence's band (RoPE scaling changes only the rotary tables, the same on every rank).
+"window" adds a sliding window of 6 keys, shorter than the 16-token sequence: every tp rank runs its heads through
+the blockwise core over the whole sequence's positions (RoPE scaling changes only the rotary tables, the same on
+every rank).
 Every configuration of one world size runs in one spawned process group.
 """
 

@@ -160,7 +160,7 @@ def test_expert_layout_is_megatrons_expert_rank_generator() -> None:
     (["--num-experts", "4", "--moe-layer-freq", "__import__('os')"], "--moe-layer-freq"),
     (ep(2), "--expert-model-parallel-size 2 needs --num-experts"),
     (etp(2), "--expert-tensor-parallel-size 2 needs --num-experts"),
-    (etp(0) + ["--num-experts", "4"], "--expert-tensor-parallel-size 0 must be at least 1"),
+    (etp(0) + ["--num-experts", "4"], "--expert-tensor-parallel-size 0 must be positive"),
     (etp(1) + ["--num-experts", "4", "--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
     (etp(4) + ["--num-experts", "4", "--moe-ffn-hidden-size", "6"],
      "--moe-ffn-hidden-size 6 is not divisible by --expert-tensor-parallel-size 4"),

@@ -14,7 +14,6 @@ from tests.e2e.test_tools_inference import run_tool
 from tests.unit.test_hf_llama import convert_hf, tiny
 from tests.unit.test_hf_mixtral import tiny_mixtral
 
-transformers = pytest.importorskip("transformers")
 PROMPTS = ["3 14 15 92 65", "35 89", "7 7 7"]
 TINY_MODELS = {"llama": lambda: tiny("llama"), "mixtral": tiny_mixtral}
 

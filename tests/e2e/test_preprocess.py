@@ -83,6 +83,25 @@ def test_every_bad_kind_counted_and_good_docs_kept(tmp_path, gpt2):
     assert (tmp_path / "w1_text_document.bin").read_bytes() == (tmp_path / "w2_text_document.bin").read_bytes()
 
 
+def test_lines_with_a_byte_order_mark_are_kept(tmp_path, gpt2):
+    # A corpus concatenated from files saved on Windows: a BOM opens the file and again in the middle.
+    bom = b"\xef\xbb\xbf"
+    lines = [
+        bom + json.dumps({"text": GOOD[0]}).encode(),
+        json.dumps({"text": GOOD[1]}).encode(),
+        bom + json.dumps({"text": GOOD[2]}, ensure_ascii=False).encode(),
+        bom,  # line 4: a BOM alone is a blank line
+        bom + b'{"text": "unterminated',  # line 5: still invalid json
+    ]
+    corpus = tmp_path / "bom.jsonl"
+    corpus.write_bytes(b"\r\n".join(lines) + b"\r\n")
+    proc = run_tool("preprocess.py", "--input", corpus, "--output-prefix", tmp_path / "bom")
+    ds = IndexedDataset(str(tmp_path / "bom_text_document"))
+    assert [ds.get_document(i).tolist() for i in range(ds.num_documents)] == [gpt2.tokenize(t) for t in GOOD[:3]]
+    assert "skipped 2 bad lines" in proc.stderr, proc.stderr
+    assert "blank_line: 1 (first at" in proc.stderr and "invalid_json: 1 (first at" in proc.stderr, proc.stderr
+
+
 def test_workers_partitions_globs_and_keys_agree(tmp_path):
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "data", "model", "token"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 from PIL import Image
 
 from megatron_like.training.logging import evaluation_line
@@ -119,3 +121,14 @@ def test_plot_logs_writes_a_png_of_the_curves(tmp_path, source, capsys):
     with Image.open(output) as image:
         assert image.size == (900, 700)
         assert len(image.getcolors(maxcolors=100000)) > 3, "the image is blank"
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,
+                    reason="a GPU machine: scripts/gpu_check.sh would run the whole GPU check")
+def test_gpu_check_stops_with_one_line_without_a_gpu():
+    """docs/design.md: without a GPU, scripts/gpu_check.sh prints one line, runs nothing and exits 2."""
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env={**os.environ, "PYTHON": sys.executable},
+                            text=True, capture_output=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["gpu_check: no GPU on this machine (nvidia-smi lists none, no python's "
+                                          "torch sees CUDA): nothing to check"] and not result.stderr

@@ -1,6 +1,8 @@
 """Hostile input to the HTTP server on 2 ranks (tp=2, as torchrun starts them): a few hundred random and
 malformed requests (to 127.0.0.1 only, bounded sizes), every one answered with JSON, then a normal request must
-still give the single-process greedy tokens: no request took a rank down or left the ranks out of step."""
+still give the single-process greedy tokens: no request took a rank down or left the ranks out of step.
+Malformed HTTP itself (request lines, line ends, lengths, requests that stop coming) is sent as raw bytes: each
+gets a status line and a JSON body, a 4xx, before the server's --request-timeout or at it (408)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.distributed.harness import free_port
 from tests.e2e.cli import Launched
 
 VOCAB = 64
+REQUEST_TIMEOUT = 3  # seconds: the 408 cases wait this long
 FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "8", "--init-method-std", "0.3",
          "--ckpt-format", "torch"]
@@ -38,7 +41,8 @@ def tiny_checkpoint(root: str) -> str:
 
 def start_server(checkpoint: str, port: int) -> Launched:
     server = Launched(2, ["--load", checkpoint, "--tensor-model-parallel-size", "2", "--port", str(port),
-                          "--max-prompts", "3", "--max-prompt-tokens", "8", "--max-tokens-to-generate", "4"],
+                          "--max-prompts", "3", "--max-prompt-tokens", "8", "--max-tokens-to-generate", "4",
+                      "--request-timeout", str(REQUEST_TIMEOUT)],
                       "tools/text_generation_server.py")
     deadline = time.monotonic() + 120
     while True:
@@ -146,3 +150,100 @@ def test_random_and_malformed_requests_are_answered_and_the_server_keeps_serving
     assert set(statuses) <= {200, 400}, statuses  # every refusal is a validation error, never a crash
     assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 100, statuses  # the mix reached both sides
     assert send(port, "PUT", "/api", json.dumps(normal).encode()) == (200, first)
+
+
+def raw_exchange(port: int, data: bytes, end_input: bool = True) -> tuple[int, str]:
+    """Send ``data`` as is (then end the input, unless ``end_input`` is False: a client that waits) and read one
+    answer, which must have a status line and a JSON body, with a message unless it is a 200; return (status,
+    message)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(data)
+        if end_input:
+            sock.shutdown(socket.SHUT_WR)
+        response = http.client.HTTPResponse(sock)
+        response.begin()  # BadStatusLine when the answer has no status line
+        body = response.read()
+    assert response.getheader("Content-Type") == "application/json", (data[:80], response.status, body[:200])
+    reply = json.loads(body)
+    assert response.status == 200 or reply.get("message"), (data[:80], response.status, reply)
+    return response.status, reply.get("message", "")
+
+
+def put(body: bytes, length: bytes | None = None, headers: bytes = b"") -> bytes:
+    """A raw ``PUT /api`` request with ``body`` and the Content-Length ``length`` (default: the body's)."""
+    length = str(len(body)).encode() if length is None else length
+    return b"PUT /api HTTP/1.1\r\nHost: x\r\n" + headers + b"Content-Length: " + length + b"\r\n\r\n" + body
+
+
+VALID = b'{"prompts": ["1 2 3"], "tokens_to_generate": 1}'
+NESTED_FIELD = b'{"prompts": ["1"], "tokens_to_generate": 1, "temperature": ' + b"[" * 500 + b"]" * 500 + b"}"
+# (request, end the input, status, part of the message); each was once a 500, a silence, an answer without a
+# status line, a 200 or a wait until the socket timed out.
+MALFORMED_HTTP = {
+    "nested json": (put(b"[" * 100_000), True, 400, "too deeply"),
+    "nested field": (put(NESTED_FIELD), True, 400, "temperature must be a number, got a JSON array"),
+    "HTTP/0.9 PUT with a body": (b"PUT /api\r\nContent-Length: 2\r\n\r\n{}", True, 400, "Bad HTTP/0.9 request"),
+    "HTTP/0.9 GET": (b"GET /api\r\n", True, 405, "GET is not supported"),
+    "one word": (b"PUT\r\nContent-Length: 2\r\n\r\n{}", True, 400, "Bad request syntax"),
+    "four words": (b"PUT /api HTTP/1.1 x\r\nContent-Length: 2\r\n\r\n{}", True, 400, "Bad request version"),
+    "bad version": (b"PUT /api HTTP/one\r\nContent-Length: 2\r\n\r\n{}", True, 400, "Bad request version"),
+    "binary request line": (b"\x00\xff\xfe \x01\r\n\r\n", True, 400, "Bad HTTP/0.9 request"),
+    "blank request line": (b"  \t \r\nContent-Length: 2\r\n\r\n{}", True, 400, "request line is blank"),
+    "CR-only line ends": (b"PUT /api HTTP/1.1\rHost: x\rContent-Length: 2\r\r{}", False, 400, "bare CR"),
+    "a CR-only header": (put(b"{}", headers=b"Host: y\rX: 1\r\n"), False, 400, "bare CR"),
+    "body shorter than its length": (put(VALID, b"200"), True, 400, f"ended after {len(VALID)} of its Content-Length"),
+    "length with an underscore": (put(b"{}", b"0_2"), True, 400, "Content-Length must be one number"),
+    "signed length": (put(b"{}", b"+2"), True, 400, "Content-Length must be one number"),
+    "two lengths": (put(b"{}", headers=b"Content-Length: 3\r\n"), True, 400, "Content-Length must be one number"),
+    "chunked": (put(b"{}", headers=b"Transfer-Encoding: chunked\r\n"), True, 411, "Transfer-Encoding"),
+    "no length": (b"PUT /api HTTP/1.1\r\nHost: x\r\n\r\n", True, 411, "Content-Length is required"),
+    "unknown method": (b"BREW /api HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}", True, 405, "BREW is not supported"),
+    "head that stops": (b"PUT /api HTTP/1.1\r\nContent-Len", False, 408, f"within {REQUEST_TIMEOUT} s"),
+    "request line that stops": (b"PUT /api HT", False, 408, f"within {REQUEST_TIMEOUT} s"),
+    "body that stops": (put(VALID[:10], str(len(VALID)).encode()), False, 408, f"within {REQUEST_TIMEOUT} s"),
+}
+
+
+def mutated(rng: random.Random, request: bytes) -> bytes:
+    """``request`` with one to three bytes replaced, deleted or inserted (line ends and NULs favoured), or cut."""
+    data = bytearray(request)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(data))
+        byte = rng.choice([b"\r", b"\n", b" ", b"\x00", b":", bytes([rng.randrange(256)])])
+        kind = rng.choice(["replace", "delete", "insert", "cut"])
+        if kind == "replace":
+            data[at : at + 1] = byte
+        elif kind == "delete" and len(data) > 1:
+            del data[at]
+        elif kind == "insert":
+            data[at:at] = byte
+        elif kind == "cut":
+            data = data[: max(at, 1)]
+    return bytes(data)
+
+
+def test_malformed_http_gets_a_status_line_and_json_and_the_server_keeps_serving(served):
+    checkpoint, port, server = served
+    normal = json.dumps({"prompts": ["5 9 13"], "tokens_to_generate": 4, "top_k": 1}).encode()
+    status, first = send(port, "PUT", "/api", normal)
+    assert status == 200
+    for name, (request, end_input, expected_status, expected_message) in MALFORMED_HTTP.items():
+        status, message = raw_exchange(port, request, end_input)
+        assert (status, expected_message in message) == (expected_status, True), (name, status, message)
+    # A body over the limit, more than the loopback buffers hold, from a client that reads the answer only once its
+    # body is out: the server drains it after answering (closing on unread bytes resets the client's send).
+    status, reply = send(port, "PUT", "/api", b" " * (8 << 20))
+    assert status == 400 and "exceeds the limit" in reply["message"]
+
+    rng = random.Random(25)
+    statuses: dict[int, int] = {}
+    for _ in range(60):
+        request = mutated(rng, put(VALID))
+        if not request.strip(b"\r\n"):
+            continue  # nothing but empty lines: no request to answer
+        status, _ = raw_exchange(port, request)
+        statuses[status] = statuses.get(status, 0) + 1
+    assert all(status == 200 or 400 <= status < 500 or status == 505 for status in statuses), statuses
+    assert 200 in statuses and 400 in statuses, statuses  # the mutations reached both sides
+    assert server.poll() is None, "the server died"
+    assert send(port, "PUT", "/api", normal) == (200, first)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,105 @@ def test_cli_rejects_invalid_layout_without_traceback():
         "error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"
     )
     assert "Traceback" not in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- declarations on the fields (config/fields.py)
+def _numeric_fields():
+    """(group class, field, its base type) of every int or float flag of every group."""
+    from megatron_like.config.cli import _unwrap_optional
+
+    for group_cls in (type(g) for g in Config().groups().values()):
+        hints = typing.get_type_hints(group_cls)
+        for f in dataclasses.fields(group_cls):
+            tp = _unwrap_optional(hints[f.name])
+            if tp in (int, float):
+                yield group_cls, f.name, tp
+
+
+def _outside(rule, tp) -> list:
+    """Values just outside ``rule`` (and the non-finite floats every float range refuses)."""
+    step = 1 if tp is int else 0.5
+    values = []
+    if rule.min is not None:
+        values.append(tp(rule.min) if rule.min_open else tp(rule.min - step))
+    if rule.max is not None:
+        values.append(tp(rule.max) if rule.max_open else tp(rule.max + step))
+    if tp is float:
+        values += [float("nan"), float("inf"), float("-inf")]
+    return values
+
+
+def test_every_numeric_flag_declares_a_range_and_refuses_values_outside_it():
+    """Generated from the declarations: each value outside a numeric field's Range is a one-line ConfigError that
+    names the flag and the value, before any process group (parse_config starts none)."""
+    from megatron_like.config.fields import Range, declared
+
+    checked = 0
+    for group_cls, name, tp in _numeric_fields():
+        rules = declared(group_cls, name, Range)
+        assert len(rules) == 1, (f"{group_cls.__name__}.{name} declares no Range: write it in the annotation, "
+                                 f"e.g. `{name}: Annotated[{tp.__name__}, POSITIVE] = ...` (config/fields.py)")
+        invalid = _outside(rules[0], tp)
+        assert invalid, f"{group_cls.__name__}.{name}: an int range needs a bound (nothing would be refused)"
+        flag = "--" + name.replace("_", "-")
+        for value in invalid:
+            with pytest.raises(ConfigError) as refused:
+                parse_config(MOCK + [f"{flag}={value}"])
+            message = str(refused.value)
+            assert message.startswith(f"{flag} {value} must be ") and "\n" not in message, message
+            checked += 1
+    assert checked > 60
+
+
+def _another_value(cls: type, name: str, current: object) -> object:
+    """A value of field ``name`` other than ``current`` (valid for its type, not necessarily for the model)."""
+    special = {"window_size": "3,0" if current is None else None, "moe_layer_freq": "2" if current == "1" else "1"}
+    if name in special:
+        return special[name]
+    tp = typing.get_type_hints(cls)[name]
+    choices = [c for c in typing.get_args(tp) if c is not type(None)]
+    if isinstance(current, bool):
+        return not current
+    if typing.get_origin(choices[0] if choices else tp) is typing.Literal:
+        return next(c for c in typing.get_args(choices[0]) if c != current)
+    if typing.get_origin(tp) is typing.Literal:
+        return next(c for c in typing.get_args(tp) if c != current)
+    if str in choices:
+        return "given"
+    from megatron_like.config.fields import Range, declared
+
+    (rule,) = declared(cls, name, Range)
+    if int in choices or tp is int:
+        candidates = [96] if current is None else [current * 2 + 1, current - 1]
+    else:
+        candidates = [0.5] if current is None else [current * 2 + 0.5, current / 2]
+    return next(v for v in candidates if v != current and rule.contains(v))
+
+
+def test_every_needed_flag_is_refused_without_what_it_needs():
+    """Generated from the declarations: each field given (off its default) without the flag its Requires names is
+    a one-line ConfigError naming both."""
+    from megatron_like.config.fields import _SET, Requires, check_declared, declared
+
+    checked = 0
+    for group_name, group in Config().groups().items():
+        for f in dataclasses.fields(type(group)):
+            needs = declared(type(group), f.name, Requires)
+            for need in needs:
+                config, given = Config(), {f.name}
+                setattr(getattr(config, group_name), f.name, _another_value(type(group), f.name, f.default))
+                for other in needs:  # meet the field's other needs, so that this one is the one missing
+                    if other is not need:
+                        owner, _, target = other.field.rpartition(".")
+                        target_group = getattr(config, owner or group_name)
+                        value = other.value if other.value is not _SET else _another_value(
+                            type(target_group), target, getattr(target_group, target))
+                        setattr(target_group, target, value)
+                        given.add(target)
+                with pytest.raises(ConfigError) as refused:
+                    check_declared(config.groups())
+                message = str(refused.value)
+                assert message.split()[0] in {"--" + n.replace("_", "-") for n in given}, message
+                assert message.endswith(f"needs {need.describe()}"), message
+                checked += 1
+    assert checked > 15

@@ -9,7 +9,7 @@ import torch
 from megatron_like.data.blended_dataset import blend_num_samples, parse_data_path
 from megatron_like.data.gpt_dataset import build_train_valid_test_datasets, get_split_ranges
 from megatron_like.data.indexed_dataset import IndexedDatasetBuilder
-from megatron_like.data.masks import get_ltor_masks_and_position_ids
+from megatron_like.data.masks import get_ltor_documents_and_position_ids
 from megatron_like.data.samplers import PretrainingSampler, build_pretraining_data_loader
 
 
@@ -141,17 +141,18 @@ def test_blending(tmp_path):
     assert np.array_equal(np.asarray(again.dataset_index), np.asarray(train.dataset_index))
 
 
-def test_masks_and_position_ids():
+def test_documents_loss_mask_and_position_ids():
     eod = 9
     tokens = torch.tensor([[1, 2, eod, 3, 4], [eod, 5, 6, 7, 8]])
-    mask, loss_mask, pos = get_ltor_masks_and_position_ids(tokens, eod, True, True, True)
+    documents, loss_mask, pos = get_ltor_documents_and_position_ids(
+        tokens, eod, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     assert pos.tolist() == [[0, 1, 2, 0, 1], [0, 0, 1, 2, 3]]
     assert loss_mask.tolist() == [[1, 1, 0, 1, 1], [0, 1, 1, 1, 1]]
-    assert mask.shape == (2, 1, 5, 5)
-    assert mask[0, 0, 3].tolist() == [True, True, True, False, True]  # after the eod: no look back
-    plain_mask, _, plain_pos = get_ltor_masks_and_position_ids(tokens, eod)
-    assert plain_mask.shape == (1, 1, 5, 5) and plain_pos[1].tolist() == [0, 1, 2, 3, 4]
-    assert plain_mask[0, 0].tolist() == (~torch.tril(torch.ones(5, 5, dtype=torch.bool))).tolist()
+    assert documents.tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]  # an eod ends its own document
+    plain_documents, plain_loss_mask, plain_pos = get_ltor_documents_and_position_ids(tokens, eod)
+    assert plain_documents is None and plain_loss_mask.all() and plain_pos[1].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="need an end-of-document token"):
+        get_ltor_documents_and_position_ids(tokens, None, reset_attention_mask=True)
 
 
 def test_sampler_resumes_and_splits_data_parallel(tmp_path):

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+import transformers  # a test dependency: missing, these tests fail
 
 from megatron_like.config import ModelConfig
 from megatron_like.inference import GenerationParams, generate, process_logits
@@ -14,8 +15,6 @@ from megatron_like.inference.hf_gpt2 import hf_config, to_hf_state
 from megatron_like.model import GPTModel
 from megatron_like.model.state import gather_full_state
 from megatron_like.parallel_state import ParallelState
-
-transformers = pytest.importorskip("transformers")
 
 
 def tiny_model(vocab: int = 64, padded: int = 64, seed: int = 3, layers: int = 2, std: float = 0.02,

@@ -12,12 +12,11 @@ import dataclasses
 
 import pytest
 import torch
+import transformers  # a test dependency: missing, these tests fail
 
 from megatron_like.inference import hf_gpt2, hf_mixtral, load_inference_model
 from megatron_like.parallel_state import ParallelState
 from tests.unit.test_hf_llama import convert_hf
-
-transformers = pytest.importorskip("transformers")
 
 H, HEADS, GROUPS, FFN, LAYERS, VOCAB, EXPERTS, TOPK = 64, 4, 2, 48, 2, 120, 4, 2
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))

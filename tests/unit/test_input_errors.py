@@ -55,6 +55,7 @@ def test_bad_flags_and_paths_stop_before_any_process_group_in_one_line_printed_o
         f"--save {not_a_dir / 'sub'}": f"--save {not_a_dir / 'sub'} cannot be created",
         f"--data-path 0.5 {tmp_path / 'only'} 0.5 {tmp_path / 'none'}": f"{tmp_path / 'only'}.idx not found",
         f"--data-path {tmp_path / 'none'}": f"{tmp_path / 'none'}.bin and {tmp_path / 'none'}.idx not found",
+        "--reset-attention-mask": "--reset-attention-mask needs end-of-document tokens and --mock-data has none",
     }
     for extra, expected in cases.items():
         argv = FLAGS + extra.split()
@@ -68,6 +69,52 @@ def test_bad_flags_and_paths_stop_before_any_process_group_in_one_line_printed_o
         assert code == 2 and err == "", (extra, err)  # printed once for the whole launch
 
 
+# Issue 25's command lines taken on trust, each with the start of its one line. {tmp}: the test's directory, where
+# "file" is a regular file and "vocab.bpe" a merges file.
+ISSUE_CASES = {
+    "--moe-router-topk 1": "--moe-router-topk 1 needs --num-experts",
+    "--moe-aux-loss-coeff 0.01": "--moe-aux-loss-coeff 0.01 needs --num-experts",
+    "--moe-grouped-gemm": "--moe-grouped-gemm needs --num-experts",
+    "--global-batch-size 0": "--global-batch-size 0 must be positive",
+    "--global-batch-size -4": "--global-batch-size -4 must be positive",
+    "--ffn-hidden-size 0": "--ffn-hidden-size 0 must be positive",
+    "--make-vocab-size-divisible-by -8": "--make-vocab-size-divisible-by -8 must be positive",
+    "--lr inf": "--lr inf must be at least 0",
+    "--lr-decay-iters -5": "--lr-decay-iters -5 must be positive",
+    "--exit-interval -1": "--exit-interval -1 must be positive",
+    "--exit-interval 0": "--exit-interval 0 must be positive",
+    "--exit-duration-in-mins -1": "--exit-duration-in-mins -1.0 must be positive",
+    "--weight-decay -0.1": "--weight-decay -0.1 must be at least 0",
+    "--weight-decay nan": "--weight-decay nan must be at least 0",
+    "--adam-eps -1e-8": "--adam-eps -1e-08 must be positive",
+    "--adam-eps nan": "--adam-eps nan must be positive",
+    "--seed -1": "--seed -1 must be in [0, 4294967295]",
+    f"--seed {2**70}": f"--seed {2**70} must be in [0, 4294967295]",
+    "--vocab-file {tmp}/missing.json --merge-file {tmp}/vocab.bpe": "--vocab-file {tmp}/missing.json is not a file",
+    "--vocab-file {tmp}/file --merge-file {tmp}/missing.bpe": "--merge-file {tmp}/missing.bpe is not a file",
+    "--tensorboard-dir {tmp}/file/tb": "--tensorboard-dir {tmp}/file/tb cannot be created",
+    "--data-path {tmp}/docs --data-cache-path {tmp}/file/cache": "--data-cache-path {tmp}/file/cache cannot be created",
+    "--load {tmp}/file": "--load {tmp}/file is a file, not a checkpoint directory",
+}
+
+
+@pytest.mark.parametrize("flags", list(ISSUE_CASES))
+def test_issue_command_lines_are_one_line_before_any_process_group(flags, tmp_path, capsys, monkeypatch):
+    """Through pretrain_gpt.main: one line on rank 0, nothing on another rank, status 2, no process group."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "vocab.bpe").write_text("#version: 0.2\n")
+    for ext in (".bin", ".idx"):  # the data prefix exists: the cache directory is the problem
+        (tmp_path / ("docs" + ext)).write_text("")
+    argv = FLAGS + flags.format(tmp=tmp_path).split()
+    if "--data-path" in argv:
+        argv.remove("--mock-data")
+    expected = ISSUE_CASES[flags].format(tmp=tmp_path)
+    code, err = stderr_of_main(argv, capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: {expected}"), (flags, err)
+    code, err = stderr_of_main(argv, capsys, monkeypatch, rank="1")
+    assert code == 2 and err == "", (flags, err)
+
+
 def test_flags_with_no_effect_warn_in_one_line(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     parse_config_or_exit(FLAGS + ["--sequence-parallel", "--overlap-grad-reduce", "--save-interval", "5"])
@@ -76,6 +123,11 @@ def test_flags_with_no_effect_warn_in_one_line(capsys, monkeypatch):
         "warning: --overlap-grad-reduce has no effect with one data-parallel rank (no gradient reduction)",
         "warning: --save-interval has no effect without --save",
     ]
+    parse_config_or_exit([f for f in FLAGS if f != "--mock-data"] + ["--data-path", "corpus", "--reset-position-ids",
+                                                                      "--position-embedding-type", "rope"])
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: --reset-position-ids has no effect with --position-embedding-type rope (only learned absolute "
+        "positions read the position ids)"]
 
 
 def test_load_equal_to_save_starts_fresh_with_a_notice(tmp_path, capsys, monkeypatch):

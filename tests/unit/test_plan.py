@@ -132,6 +132,8 @@ LAYER = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "
          "--micro-batch-size", "4", "--mock-data", "--vocab-size", "1024", "--hidden-dropout", "0",
          "--attention-dropout", "0"]
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
+WINDOW = ["--window-size", "15,0"]  # 16 keys of 64: the blockwise core, whichever backend, dropout or not
+WINDOW_LOCAL = WINDOW + ["--attention-backend", "local"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"]
 MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert-capacity-factor", "0.5",
                     "--moe-pad-expert-input-to-capacity", "--bf16"]
@@ -140,9 +142,12 @@ MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert
 @pytest.mark.parametrize("extra", [[], ["--bf16"], LLAMA, LLAMA + ["--bf16"], ["--swiglu"], GQA,
                                    ["--position-embedding-type", "rope"], ["--normalization", "RMSNorm"],
                                    ["--normalization", "RMSNorm", "--bf16"], LLAMA + MOE, LLAMA + MOE + ["--bf16"],
-                                   LLAMA + MOE_PADDED, ["--disable-bias-linear"] + MOE],
+                                   LLAMA + MOE_PADDED, ["--disable-bias-linear"] + MOE, LLAMA + WINDOW,
+                                   LLAMA + WINDOW_LOCAL + ["--bf16"], GQA + WINDOW,
+                                   WINDOW + ["--attention-dropout", "0.1"]],
                          ids=["gpt", "gpt-bf16", "llama", "llama-bf16", "swiglu", "gqa", "rope", "rmsnorm",
-                              "rmsnorm-bf16", "mixtral", "mixtral-bf16", "mixtral-shared-padded", "gpt-moe"])
+                              "rmsnorm-bf16", "mixtral", "mixtral-bf16", "mixtral-shared-padded", "gpt-moe",
+                              "mistral-window", "mistral-window-local-bf16", "gqa-window", "gpt-window-dropout"])
 def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
     planner's per-layer formula, for each architecture option alone and for Llama."""
@@ -151,6 +156,7 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     from megatron_like.model.transformer import TransformerLayer
     from megatron_like.parallel_state import ParallelState
     from megatron_like.planning.activations import layer_activation_bytes
+    from megatron_like.tensor_parallel.random import seed_everything
 
     config = parse_config(LAYER + extra)
     dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
@@ -165,6 +171,7 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
         return tensor
 
     x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
+    seed_everything(1, tp_rank=0, pp_rank=0)  # attention dropout draws from the tracker's stream
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         layer(x)
     measured = sum(saved.values())

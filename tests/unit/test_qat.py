@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megatron_like.quantization import ActivationFakeQuant, WeightFakeQuant, fake_quant, int8_matmul, quantize
+from megatron_like.quantization import ActivationFakeQuant, WeightFakeQuant, fake_quant, int8_matmul, qat, quantize
 
 INT8_LOGIT_ATOL = 1e-4
 QAT_PPL_RTOL = 0.02
@@ -88,6 +88,38 @@ def test_int8_products_are_exact_on_any_cpu(onednn_isa):
     proc = subprocess.run([sys.executable, "-c", _EXACTNESS_CHECK], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "exact", proc.stderr
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 16, 17, 40])
+@pytest.mark.parametrize(("k", "n"), [(1, 1), (8, 8), (20, 12), (64, 3), (130, 64)])
+def test_int_mm_shape_is_the_smallest_cuda_accepts(m, k, n):
+    rows, inner, cols = qat.int_mm_shape(m, k, n)
+    assert rows > 16 and inner % 8 == 0 < inner and cols % 8 == 0 < cols  # torch._int_mm's CUDA checks
+    # ... and no larger than needed: one multiple of 8 less would cut into the real sizes.
+    assert rows == max(m, 17)
+    assert inner >= k and (inner == 8 or inner - 8 < k)
+    assert cols >= n and (cols == 8 or cols - 8 < n)
+
+
+def _int_mm_with_cuda_checks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm's CUDA contract (aten/src/ATen/native/cuda/Blas.cpp's checks), computed exactly on CPU."""
+    (m, k), n = a.shape, b.shape[1]
+    if not (m > 16 and k > 0 and k % 8 == 0 and n > 0 and n % 8 == 0 and b.shape[0] == k):
+        raise RuntimeError(f"torch._int_mm on CUDA refuses [{m}, {k}] @ [{b.shape[0]}, {n}]")
+    assert a.dtype == b.dtype == torch.int8
+    return (a.long() @ b.long()).to(torch.int32)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 64), (3, 20, 12), (16, 8, 24), (17, 8, 8), (0, 16, 8)])
+def test_int8_mm_off_cpu_meets_cuda_shape_rules_exactly(monkeypatch, m, k, n):
+    """Decode steps (few rows) and odd sizes reach torch._int_mm padded to a shape CUDA accepts, sliced back."""
+    monkeypatch.setattr(torch, "_int_mm", _int_mm_with_cuda_checks)
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    weight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    got = qat.padded_int_mm(a, weight.t())
+    assert got.dtype == torch.int32 and got.shape == (m, n)
+    assert torch.equal(got.long(), a.long() @ weight.t().long())
 
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -1,0 +1,158 @@
+"""Every fused kernel's CUDA twin, forward and backward, against PyTorch's own ops on CUDA, in fp32 and bf16.
+
+Inputs are drawn on the CPU, rounded to the dtype and moved to the GPU; the reference runs PyTorch's ops in
+float32 on the same rounded values. bf16 results carry the kernels' output rounding (and, for the fused add +
+LayerNorm, the rounded sum), so they are compared at bf16's tolerance; fp32 at 1e-4 (the kernels reduce in
+another order than PyTorch). Each test also checks that the CUDA twin ran (``twins_used``, conftest.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_like.kernels import (
+    _loader,
+    fused_add_layer_norm,
+    fused_apply_rotary,
+    fused_rms_norm,
+    fused_swiglu,
+    grouped_gemm,
+    layer_norm,
+    scaled_masked_softmax,
+    scaled_upper_triang_masked_softmax,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def compare_with_torch(fused: Callable, reference: Callable, inputs: Sequence[torch.Tensor], differentiable: set[int],
+                       dtype: torch.dtype, device: torch.device) -> None:
+    """Run ``fused`` on ``inputs`` in ``dtype`` on ``device`` and ``reference`` on float32 copies of the same
+    values; compare the outputs and the gradients of the inputs at positions ``differentiable``."""
+    gen = torch.Generator().manual_seed(0)
+    leaves = [t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype) for t in inputs]
+    ref_leaves = [t.float() if t.is_floating_point() else t for t in leaves]
+    for i in differentiable:
+        leaves[i].requires_grad_()
+        ref_leaves[i] = ref_leaves[i].detach().requires_grad_()
+    out, ref = fused(*leaves), reference(*ref_leaves)
+    dy = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+    out.backward(dy)
+    ref.backward(dy.float())
+    assert out.dtype == dtype and out.device == device
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype], msg=lambda m: f"output: {m}")
+    for i in sorted(differentiable):
+        assert leaves[i].grad.dtype == dtype
+        torch.testing.assert_close(leaves[i].grad.float(), ref_leaves[i].grad, **TOL[dtype],
+                                   msg=lambda m, i=i: f"gradient of input {i}: {m}")
+
+
+def randn(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))) * scale + shift
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layer_norm(dtype, device, twins_used):
+    h = 1000  # not a multiple of the block size
+    compare_with_torch(lambda x, w, b: layer_norm(x, w, b, 1e-5),
+                       lambda x, w, b: F.layer_norm(x, (h,), w, b, 1e-5),
+                       [randn(4, 3, h, scale=2, shift=1), randn(h, scale=0.1, shift=1), randn(h, scale=0.1)],
+                       {0, 1, 2}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "layer_norm" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_layer_norm(dtype, device, twins_used):
+    h = 256
+
+    def fused(x, residual, w, b, x_bias):
+        out, total = fused_add_layer_norm(x, residual, w, b, 1e-5, x_bias=x_bias)
+        return torch.stack([out, total])
+
+    def reference(x, residual, w, b, x_bias):
+        total = x + x_bias + residual
+        return torch.stack([F.layer_norm(total, (h,), w, b, 1e-5), total])
+
+    compare_with_torch(fused, reference, [randn(5, h), randn(5, h), randn(h, shift=1), randn(h), randn(h)],
+                       {0, 1, 2, 3, 4}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "layer_norm" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm(dtype, device, twins_used):
+    h = 768
+    compare_with_torch(lambda x, w: fused_rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (h,), w, 1e-6),
+                       [randn(6, 2, h, scale=2), randn(h, scale=0.1, shift=1)], {0, 1}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "rms_norm" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu(dtype, device, twins_used):
+    compare_with_torch(fused_swiglu, lambda g: F.silu(g[..., 0::2]) * g[..., 1::2], [randn(3, 5, 2 * 200, scale=3)],
+                       {0}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "swiglu" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_masked_softmax(dtype, device, twins_used):
+    b, heads, s = 2, 3, 70
+    mask = torch.rand(b, 1, s, s, generator=torch.Generator().manual_seed(1)) > 0.7
+    mask[..., 0] = False  # no fully masked row: PyTorch's softmax would give NaN where the kernel gives 0
+
+    def reference(x, mask):
+        return torch.softmax((x * 0.125).masked_fill(mask, float("-inf")), dim=-1)
+
+    compare_with_torch(lambda x, m: scaled_masked_softmax(x, m, 0.125), reference,
+                       [randn(b, heads, s, s, scale=4), mask], {0}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "scaled_masked_softmax" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scaled_upper_triang_masked_softmax(dtype, device, twins_used):
+    s = 130
+
+    def reference(x):
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        return torch.softmax((x * 0.5).masked_fill(future, float("-inf")), dim=-1)
+
+    compare_with_torch(lambda x: scaled_upper_triang_masked_softmax(x, 0.5), reference, [randn(2, 2, s, s, scale=3)],
+                       {0}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "scaled_upper_triang_masked_softmax" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seq", [1, 37], ids=["decode", "prefill"])
+def test_rotary(dtype, seq, device, twins_used):
+    head_dim, rotary_dim = 64, 32  # partial rotary: the last 32 features pass through
+    angles = torch.arange(seq)[:, None] * torch.rand(rotary_dim // 2, generator=torch.Generator().manual_seed(2))
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(device)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(device)
+
+    def reference(x):
+        rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        first, second = rotated.chunk(2, dim=-1)
+        turned = torch.cat([-second, first], dim=-1)
+        return torch.cat([rotated * cos.to(x.dtype) + turned * sin.to(x.dtype), passed], dim=-1)
+
+    compare_with_torch(lambda x: fused_apply_rotary(x, cos, sin), reference, [randn(2, 4, seq, head_dim)], {0},
+                       dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "rotary" in twins_used
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_grouped_gemm(dtype, device, twins_used):
+    counts = [5, 0, 70, 33]  # an expert without tokens, groups across the 32-row tile
+    k, n = 96, 40
+    tokens_per_expert = torch.tensor(counts)
+
+    def reference(x, w):
+        return torch.cat([rows @ w[e] for e, rows in enumerate(x.split(counts))])
+
+    compare_with_torch(lambda x, w: grouped_gemm(x, w, tokens_per_expert), reference,
+                       [randn(sum(counts), k), randn(len(counts), k, n, scale=k**-0.5)], {0, 1}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "grouped_gemm" in twins_used
