@@ -94,7 +94,7 @@ ISSUE_CASES = {
     "--vocab-file {tmp}/file --merge-file {tmp}/missing.bpe": "--merge-file {tmp}/missing.bpe is not a file",
     "--tensorboard-dir {tmp}/file/tb": "--tensorboard-dir {tmp}/file/tb cannot be created",
     "--data-path {tmp}/docs --data-cache-path {tmp}/file/cache": "--data-cache-path {tmp}/file/cache cannot be created",
-    "--load {tmp}/file": "--load {tmp}/file is a file, not a checkpoint directory",
+    "--load {tmp}/file": "--load {tmp}/file is a file; pass the checkpoint directory",
 }
 
 
