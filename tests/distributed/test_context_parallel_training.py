@@ -1,10 +1,11 @@
 """Context parallelism through pretrain() equals one process: the Llama-style model of test_llama_parallel
 (rotary positions, GQA with 4 key/value heads for 8 query heads, SwiGLU, RMSNorm) trained at cp 2 with each
---cp-comm-type, with the sliding window, and cp combined with tensor + sequence parallelism, interleaved pipeline
-parallelism, data parallelism with ZeRO-3, and (the MoE model of test_moe_parallel) expert parallelism; cp 4 with the
-hierarchical a2a+p2p. Each logs the single-process losses and grad norms and holds its weights after training (the
-float32 tolerance of ``assert_same_training``); the single-process references are those two test modules' (one
-run each, shared when the suite runs them in one process).
+--cp-comm-type, with the sliding window, with selective recomputation, and cp combined with tensor + sequence
+parallelism, interleaved pipeline parallelism, data parallelism with ZeRO-3, and (the MoE model of
+test_moe_parallel) expert parallelism; cp 4 with the hierarchical a2a+p2p. Each logs the single-process losses and
+grad norms and holds its weights after training (the float32 tolerance of ``assert_same_training``); the
+single-process references are those two test modules' (one run each, shared when the suite runs them in one
+process).
 
 Each cp rank holds two of the sequence's 2 x cp chunks (16 tokens: chunks of 4 at cp 2, of 2 at cp 4), so the
 rotary positions, the causal mask across ranks, the whole sequence's loss and the dp x cp gradient average are all
@@ -34,6 +35,8 @@ CASES: dict[int, dict[str, list[str]]] = {
         "cp2-all_gather": llama.LLAMA + cp(2, "all_gather"),
         "cp2-a2a": llama.LLAMA + cp(2, "a2a"),
         "window-cp2-p2p": llama.LLAMA + llama.WINDOW + cp(2),
+        "cp2-all_gather-recompute-selective": llama.LLAMA + cp(2, "all_gather") + [
+            "--recompute-granularity", "selective"],
         "moe-cp2-ep2-alltoall": moe.MOE + cp(2) + moe.ep(2) + moe.ALLTOALL,
     },
     4: {

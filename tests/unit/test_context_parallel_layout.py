@@ -52,3 +52,22 @@ def test_a_layout_that_cannot_work_stops_in_one_line(extra: str, expected: str, 
     code, err = stderr_of_main(FLAGS + extra.split(), capsys, monkeypatch)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expected in lines[0], err
+
+
+def test_entry_points_without_context_parallelism_refuse_it_in_one_line() -> None:
+    """ViT training, classifier fine-tuning and the inference tools (generation, serving, evaluation) say so
+    instead of running the layout wrongly."""
+    import finetune_gpt_classification
+    import pretrain_vit
+    from megatron_like.config import ConfigError, parse_config
+    from megatron_like.inference.cli import setup
+
+    cp2 = ["--context-parallel-size", "2"]
+    vit = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--micro-batch-size", "1",
+           "--train-iters", "1", "--mock-data"]
+    with pytest.raises(ConfigError, match="pretrain_vit.py runs without it"):
+        pretrain_vit.build_config(vit + cp2)
+    with pytest.raises(ConfigError, match="fine-tune without context parallelism"):
+        finetune_gpt_classification.build_config(FLAGS + cp2 + ["--train-data", "train.tsv"])
+    with pytest.raises(ConfigError, match="run without context parallelism"):
+        setup(parse_config(FLAGS + cp2, world_size=2))
