@@ -14,7 +14,7 @@ returns the attention output of its queries over the whole sequence's keys, ``[b
 
 Every mode runs the blockwise core (``model/blockwise_attention.py``) on global positions and document ids, so it
 computes exactly single-process causal, sliding-window or packed-document attention and skips the masked tiles
-(tiles are the ``2 cp`` chunks). Attention dropout drops a pair by a hash of one seed and the pair, so the masks do
+(tiles of at most the core's block size inside each of the ``2 cp`` chunks). Attention dropout drops a pair by a hash of one seed and the pair, so the masks do
 not depend on which step or rank computes it (the all-to-all modes number heads locally, so their masks differ from
 one process's, as tensor parallelism's do).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from megatron_like import collectives as comm
-from megatron_like.model.blockwise_attention import blockwise_attention
+from megatron_like.model.blockwise_attention import DEFAULT_BLOCK_SIZE, blockwise_attention
 from megatron_like.model.context_parallel.layout import cp_positions
 from megatron_like.model.context_parallel.ring import Ring, ring_attention
 from megatron_like.parallel_state import ParallelState
@@ -105,7 +105,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     cp, mode = ps.cp_size, ps.cp_comm_type
     seq_length = q.shape[2] * cp
-    tile = seq_length // (2 * cp)
+    # Tiles of at most the core's block size (a tile's scores are the transient memory of each step); tiles inside
+    # one chunk are contiguous in position, so block_plan's bounds skip exactly the masked ones.
+    tile = min(seq_length // (2 * cp), DEFAULT_BLOCK_SIZE)
     device = q.device
     mine = cp_positions(seq_length, cp, ps.cp_rank, device)
     every = _group_positions(seq_length, cp, range(cp), device)
