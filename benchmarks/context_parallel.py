@@ -61,7 +61,8 @@ def main() -> None:
     print(f"{'1 process':<22} | {base_ms:>9.0f} | {1.0:>12.2f} | {base_gib:>15.3f} | {1.0:>12.2f}")
     for comm_type in ("p2p", "all_gather", "a2a"):
         ms, gib = run(2, flags + ["--context-parallel-size", "2", "--cp-comm-type", comm_type])
-        print(f"{'cp 2 ' + comm_type:<22} | {ms:>9.0f} | {ms / base_ms:>12.2f} | {gib:>15.3f} | {gib / base_gib:>12.2f}")
+        name = f"cp 2 {comm_type}"
+        print(f"{name:<22} | {ms:>9.0f} | {ms / base_ms:>12.2f} | {gib:>15.3f} | {gib / base_gib:>12.2f}")
 
 
 if __name__ == "__main__":

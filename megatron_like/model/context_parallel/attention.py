@@ -14,9 +14,9 @@ returns the attention output of its queries over the whole sequence's keys, ``[b
 
 Every mode runs the blockwise core (``model/blockwise_attention.py``) on global positions and document ids, so it
 computes exactly single-process causal, sliding-window or packed-document attention and skips the masked tiles
-(tiles of at most the core's block size inside each of the ``2 cp`` chunks). Attention dropout drops a pair by a hash of one seed and the pair, so the masks do
-not depend on which step or rank computes it (the all-to-all modes number heads locally, so their masks differ from
-one process's, as tensor parallelism's do).
+(tiles of at most the core's block size inside each of the ``2 cp`` chunks). Attention dropout drops a pair by a
+hash of one seed and the pair, so the masks do not depend on which step or rank computes it (the all-to-all modes
+number heads locally, so their masks differ from one process's, as tensor parallelism's do).
 """
 
 from __future__ import annotations
