@@ -1,10 +1,12 @@
 """Context parallelism through the command line: the Llama-style tiny model of test_cli_llama trained on 2 ranks
 (as torchrun starts them) with ``--context-parallel-size 2`` and ZeRO-1 (its optimizer shards over the dp x cp
 ranks) logs the single process's losses, and its torch_dist checkpoint continues in one process (cp 1) and at cp 4
-with the losses of the uninterrupted run. Packed documents (``--reset-attention-mask --reset-position-ids
---eod-mask-loss`` on test_cli_packed_documents' indexed dataset of short documents) at cp 2, ring and all-to-all, log the loss of
-the documents run one by one: documents cut by the chunk boundaries stay apart across ranks, and the loss is the
-mean over the whole sequence's unmasked tokens (their count differs between the cp ranks).
+with the losses of the uninterrupted run.
+
+Packed documents (``--reset-attention-mask --reset-position-ids --eod-mask-loss`` on test_cli_packed_documents'
+indexed dataset of short documents) at cp 2, ring and all-to-all, log the loss of the documents run one by one:
+documents cut by the chunk boundaries stay apart across ranks, and the loss is the mean over the whole sequence's
+unmasked tokens (their count differs between the cp ranks).
 
 The losses are held to 3e-6, a few units of the log's last digit (1e-6): at initialisation this model's loss is
 nearly that of a uniform guess, and rotary positions of the wrong tokens move it by about 1e-5 only."""
