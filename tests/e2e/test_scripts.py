@@ -19,9 +19,10 @@ from megatron_like.training.metrics import format_log_line
 from tests.e2e.cli import ROOT
 
 SCRIPTS = ["pretrain_gpt_345M.sh", "pretrain_gpt_1.3B.sh", "pretrain_gpt_6.7B.sh", "pretrain_gpt_175B.sh",
-           "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_70B.sh",
-           "pretrain_mixtral_8x7B.sh"]
-LLAMA_PARAMETERS = {"pretrain_llama2_7B.sh": 6.74e9, "pretrain_llama3_8B.sh": 8.03e9, "pretrain_llama3_70B.sh": 70.6e9}
+           "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_8B_128k.sh",
+           "pretrain_llama3_70B.sh", "pretrain_mixtral_8x7B.sh"]
+LLAMA_PARAMETERS = {"pretrain_llama2_7B.sh": 6.74e9, "pretrain_llama3_8B.sh": 8.03e9,
+                    "pretrain_llama3_8B_128k.sh": 8.03e9, "pretrain_llama3_70B.sh": 70.6e9}
 """The published parameter counts of Llama 2 7B, Llama 3 8B and Llama 3 70B."""
 MIXTRAL_PARAMETERS = (46.7e9, 12.9e9)
 """Mixtral 8x7B's published total and active parameters (Jiang et al. 2024)."""
