@@ -12,7 +12,7 @@ def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
     h = m.hidden_size
     qkv_out = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim  # fewer K, V heads with GQA
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate, up and down
-    attention = h * qkv_out + h * h
+    attention = h * qkv_out + m.attention_size * h  # QKV, then heads x head_dim back to h
     dense_mlp = mlp_matrices * h * m.ffn_size
     moe_layers = sum(m.moe_layer_pattern)
     moe_mlp = 0
