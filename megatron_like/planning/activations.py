@@ -24,6 +24,10 @@ The Llama family changes three of these terms (``g`` query groups, ``f = ffn / h
 * RMSNorm (the fused kernel) keeps its input ``e`` and one float32 ``1 / rms`` per row, as LayerNorm keeps
   its input ``e``.
 
+Qwen3 changes two more: ``--kv-channels d`` makes the attention ``a d`` wide instead of ``h``, so the Q, K, V,
+rotary and attention-output terms scale by ``a d / h``; ``--qk-layernorm`` keeps the norms' inputs, Q and K
+``(1 + g / a) e``, and their per-head statistics (RMSNorm one float32 per head and token, LayerNorm two).
+
 An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
 and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
 ``N`` (token, expert) pairs (``T k``; with a capacity ``min(T k, E C)``, an upper bound as some experts take
