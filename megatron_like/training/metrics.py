@@ -24,9 +24,10 @@ def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
 
 
 def flops_per_token(config: Config, padded_vocab_size: int) -> float:
-    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (docs/design.md §8)."""
+    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (docs/design.md §8), ``h`` there the
+    attention's width (heads x head_dim: the hidden size unless --kv-channels sets it apart)."""
     m = config.model
-    return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+    return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.attention_size * m.seq_length
 
 
 def format_log_line(
