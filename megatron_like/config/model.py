@@ -44,6 +44,10 @@ class ModelConfig:
     multiple of 64, as Megatron-LM)."""
     num_attention_heads: Annotated[int, MUST_MATCH, POSITIVE] = 4
     """Number of attention heads."""
+    kv_channels: Annotated[int | None, MUST_MATCH.through("head_dim"), POSITIVE] = None
+    """Dimension of each query, key and value head; defaults to --hidden-size / --num-attention-heads. Qwen3 sets
+    it apart from them (128 with hidden 2048 and 32 heads): the attention works in heads x kv-channels features
+    and its output projection maps them back to the hidden size."""
     seq_length: Annotated[int, MAY_CHANGE, POSITIVE] = 32
     """Tokens per training sample."""
     max_position_embeddings: Annotated[int | None, FINETUNE_MAY_CHANGE.through("max_positions"), POSITIVE] = None
@@ -113,6 +117,9 @@ class ModelConfig:
     """No biases in the attention and MLP linears."""
     add_qkv_bias: Annotated[bool, MUST_MATCH.through("qkv_bias"), Requires("disable_bias_linear")] = False
     """Keep the QKV bias with --disable-bias-linear (Qwen2)."""
+    qk_layernorm: Annotated[bool, MUST_MATCH] = False
+    """Normalize every query and key head (--normalization over --kv-channels features, with one weight of that
+    size for all query heads and one for all key heads) before the rotary embeddings (Qwen3)."""
     masked_softmax_fusion: Annotated[bool, NotCompared(FUSED)] = True
     """With --attention-backend local: the fused csrc scale+mask+softmax instead of torch.softmax."""
     bias_gelu_fusion: Annotated[bool, NotCompared(FUSED)] = True
@@ -173,9 +180,9 @@ class ModelConfig:
     def validate(self) -> None:
         """The rules between fields (each field's range and the flags it needs are declared on it: fields.py)."""
         _require(
-            self.hidden_size % self.num_attention_heads == 0,
+            self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
             f"--hidden-size {self.hidden_size} is not divisible by "
-            f"--num-attention-heads {self.num_attention_heads}",
+            f"--num-attention-heads {self.num_attention_heads} (or give the head size with --kv-channels)",
         )
         _require(
             self.max_position_embeddings is None or self.max_position_embeddings >= self.seq_length,
@@ -273,7 +280,13 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Features of each query, key and value head: --kv-channels, by default hidden size / heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_size(self) -> int:
+        """Features of all query heads together (the attention output projection's input): heads x head_dim."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def query_groups(self) -> int:

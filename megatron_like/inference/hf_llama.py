@@ -124,8 +124,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("attention_bias/mlp_bias=True has no equivalent here (only Qwen2's QKV bias)")
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads: not implemented")
+    head_dim = cfg.get("head_dim")  # our --kv-channels where it is not hidden_size / heads (Qwen3)
     positions = cfg.get("max_position_embeddings", 2048)
     window = cfg.get("sliding_window") if family == "mistral" else None
     if family == "qwen2" and cfg.get("use_sliding_window"):
@@ -133,6 +132,7 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     groups = cfg.get("num_key_value_heads") or heads
     return ModelConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=hidden, num_attention_heads=heads,
+        kv_channels=None if head_dim in (None, hidden // heads) and hidden % heads == 0 else head_dim,
         ffn_hidden_size=cfg["intermediate_size"], seq_length=positions, max_position_embeddings=positions,
         vocab_size=cfg["vocab_size"], hidden_dropout=0.0, attention_dropout=cfg.get("attention_dropout", 0.0),
         init_method_std=cfg.get("initializer_range", 0.02), norm_epsilon=cfg.get("rms_norm_eps", 1e-6),

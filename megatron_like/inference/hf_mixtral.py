@@ -83,11 +83,31 @@ def to_hf_state(full: dict[str, torch.Tensor], model: ModelConfig, vocab_size: i
     for layer in range(model.num_layers):
         ours, hf = f"layers.{layer}.mlp.", f"model.layers.{layer}{_MOE}"
         out[hf + "gate.weight"] = full[ours + "router.weight"]
-        for e, (w1, w2) in enumerate(zip(full[ours + "experts.weight1"], full[ours + "experts.weight2"])):
-            pairs = w1.t().reshape(-1, 2, w1.shape[0])  # [f, (gate, up), h]
-            out[f"{hf}experts.{e}.w1.weight"], out[f"{hf}experts.{e}.w3.weight"] = pairs[:, 0], pairs[:, 1]
-            out[f"{hf}experts.{e}.w2.weight"] = w2.t()
+        for e, (gate, up, down) in enumerate(experts_to_hf(full[ours + "experts.weight1"],
+                                                           full[ours + "experts.weight2"])):
+            out[f"{hf}experts.{e}.w1.weight"], out[f"{hf}experts.{e}.w3.weight"] = gate, up
+            out[f"{hf}experts.{e}.w2.weight"] = down
     return {k: v.float().contiguous().clone() for k, v in out.items()}
+
+
+def experts_to_hf(weight1: torch.Tensor, weight2: torch.Tensor
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Our ``experts.weight1 [E, h, 2 f]`` (interleaved gate/up columns) and ``weight2 [E, f, h]`` -> per expert
+    HF's ``(gate [f, h], up [f, h], down [h, f])`` (Mixtral's w1, w3, w2; Qwen3-MoE's gate/up/down_proj)."""
+    experts = []
+    for w1, w2 in zip(weight1, weight2):
+        pairs = w1.t().reshape(-1, 2, w1.shape[0])  # [f, (gate, up), h]
+        experts.append((pairs[:, 0], pairs[:, 1], w2.t()))
+    return experts
+
+
+def experts_from_hf(experts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert HF's ``(gate [f, h], up [f, h], down [h, f])`` -> our fp32 ``weight1 [E, h, 2 f]`` (gate/up
+    columns interleaved, docs/models.md) and ``weight2 [E, f, h]``; the inverse of :func:`experts_to_hf`."""
+    weight1 = [torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1]).t() for gate, up, _ in experts]
+    weight2 = [down.t() for _, _, down in experts]
+    return torch.stack(weight1).float().contiguous(), torch.stack(weight2).float().contiguous()
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_size: int) -> dict[str, torch.Tensor]:
@@ -99,12 +119,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_
     for layer in range(model.num_layers):
         hf_prefix, ours = f"model.layers.{layer}{_MOE}", f"layers.{layer}.mlp."
         full[ours + "router.weight"] = hf[hf_prefix + "gate.weight"].float().clone()
-        weight1, weight2 = [], []
-        for e in range(model.num_experts):
-            expert = f"{hf_prefix}experts.{e}."
-            gate, up = hf[expert + "w1.weight"], hf[expert + "w3.weight"]
-            weight1.append(torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1]).t())  # [h, 2 f] interleaved
-            weight2.append(hf[expert + "w2.weight"].t())
-        full[ours + "experts.weight1"] = torch.stack(weight1).float().contiguous()
-        full[ours + "experts.weight2"] = torch.stack(weight2).float().contiguous()
+        experts = [tuple(hf[f"{hf_prefix}experts.{e}.{w}.weight"] for w in ("w1", "w3", "w2"))
+                   for e in range(model.num_experts)]
+        full[ours + "experts.weight1"], full[ours + "experts.weight2"] = experts_from_hf(experts)
     return full

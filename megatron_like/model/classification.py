@@ -109,7 +109,8 @@ def load_pretrained_gpt(chunk: GPTClassificationModel, root: str) -> list[str]:
     """
     saved, full = _cached_full_state(root)
     m = saved.model
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "max_positions"):
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "head_dim", "qk_layernorm", "ffn_size",
+                 "max_positions"):
         if getattr(m, name) != getattr(chunk.config, name):
             raise ValueError(f"pretrained checkpoint {root} has {name} {getattr(m, name)}, this model "
                              f"{getattr(chunk.config, name)}; pass the checkpoint's model flags")

@@ -4,6 +4,11 @@ Both are replicated over tensor parallelism. With sequence parallelism each tp r
 sequence shard, so the weight gradient on each rank is a partial sum over that shard: the parameters are
 tagged ``sequence_parallel`` and the gradient is all-reduced over tp after backward (see
 ``mark_replicated``).
+
+``--qk-layernorm`` (Qwen3) adds one norm over ``head_dim`` for the query heads and one for the key heads
+(:func:`build_head_norm`). Tensor parallelism splits the heads, so each tp rank's gradient of those weights is
+a partial sum over its own heads, with or without sequence parallelism: they are always tagged for the tp
+all-reduce when tp > 1.
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ class RMSNorm(nn.Module):
         return fused_rms_norm(x, self.weight, self.eps)
 
 
-def build_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The model's --normalization over ``hidden_size``, its parameters tagged for the sequence-parallel
-    gradient all-reduce."""
-    h = config.hidden_size
+def build_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype, device: torch.device,
+               size: int | None = None) -> nn.Module:
+    """The model's --normalization over ``size`` features (default ``hidden_size``); ``sequence_parallel`` tags
+    its parameters for the gradient all-reduce over tp (their gradient on one rank is a partial sum)."""
+    h = size or config.hidden_size
     # Parameters from new_parameter (ones and zeros): filled now, or at ZeRO-3 when their unit is sharded
     # (tensor_parallel/initialization.py); the LayerNorm module itself is built on the meta device.
     if config.normalization == "RMSNorm":
@@ -44,3 +50,12 @@ def build_norm(config: ModelConfig, sequence_parallel: bool, dtype: torch.dtype,
     for param in norm.parameters():
         mark_replicated(param, sequence_parallel)
     return norm
+
+
+def build_head_norm(config: ModelConfig, tp_size: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The --qk-layernorm norm over one head's ``head_dim`` features, shared by every head of the layer.
+
+    Each tp rank applies it to its ``heads / tp`` heads only, so its weight gradient there is a partial sum over
+    those heads: tagged for the tp all-reduce (the one sequence-parallel norms use) whenever tp > 1.
+    """
+    return build_norm(config, tp_size > 1, dtype, device, size=config.head_dim)

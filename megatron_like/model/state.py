@@ -56,10 +56,10 @@ def _pattern(name: str) -> str:
 
 @functools.cache
 def _tiny_models() -> tuple[GPTModel, ...]:
-    """Tiny single-process models with every kind of parameter: a dense one and a mixture-of-experts one with a
-    shared expert, both with an untied output layer."""
+    """Tiny single-process models with every kind of parameter: a dense one with --qk-layernorm and a
+    mixture-of-experts one with a shared expert, both with an untied output layer."""
     dense = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
-                        untie_embeddings_and_output_weights=True)
+                        untie_embeddings_and_output_weights=True, qk_layernorm=True)
     moe = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
                       untie_embeddings_and_output_weights=True, num_experts=2, moe_router_topk=1,
                       moe_shared_expert_intermediate_size=8)

@@ -36,8 +36,12 @@ from megatron_like.kernels import (
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.attention_mask import sliding_window_mask
 from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
+<<<<<<< HEAD
 from megatron_like.model.context_parallel import context_parallel_attention, cp_positions
 from megatron_like.model.norms import build_norm
+=======
+from megatron_like.model.norms import build_head_norm, build_norm
+>>>>>>> main
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
@@ -79,6 +83,9 @@ class SelfAttention(nn.Module):
     weight is laid out group by group (Megatron-LM's layout): output features ``[groups, heads / groups + 2,
     head_dim]``, each group's query heads then its key and its value. A contiguous tp slice so holds whole groups
     with their queries.
+    Heads have ``--kv-channels`` features (default hidden / heads); ``--qk-layernorm`` (Qwen3) normalizes each
+    query and key head over them before RoPE, with one weight for all query heads and one for all key heads
+    (replicated over tp; their gradient is all-reduced over tp: ``norms.build_head_norm``).
     """
 
     def __init__(self, config: ModelConfig, ps: ParallelState, layer: int, seed: int,
@@ -108,14 +115,18 @@ class SelfAttention(nn.Module):
         # GPT-2's scaled init of the projections that write into the residual stream.
         scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.proj = RowParallelLinear(
-            h, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
+            config.attention_size, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
             name=f"layers.{layer}.attention.proj", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
+        # --qk-layernorm: one norm over head_dim for all query heads, one for all key heads (Qwen3).
+        self.q_layernorm = build_head_norm(config, ps.tp_size, dtype, ps.device) if config.qk_layernorm else None
+        self.k_layernorm = build_head_norm(config, ps.tp_size, dtype, ps.device) if config.qk_layernorm else None
 
     def split_qkv(self, qkv: torch.Tensor, rotary_tables: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[s, b, (np + 2 ng) hd]`` -> q ``[b, np, s, hd]``, k and v ``[b, ng, s, hd]``, rotated.
+        """``[s, b, (np + 2 ng) hd]`` -> q ``[b, np, s, hd]``, k and v ``[b, ng, s, hd]``, each q and k head
+        normalized (``--qk-layernorm``) and then rotated.
 
         ``rotary_tables``: cos and sin ``[s, rotary_dim]`` of the tokens' positions (generation: they
         continue after the cached tokens, see ``KVCache.rotary_tables``); None = positions ``0 .. s - 1``:
@@ -128,8 +139,10 @@ class SelfAttention(nn.Module):
         per_group = self.heads_per_rank // ng
         qkv = qkv.view(s, b, ng, per_group + 2, self.head_dim)
         q, k, v = qkv.split([per_group, 1, 1], dim=3)
-        q = q.reshape(s, b, self.heads_per_rank, self.head_dim).permute(1, 2, 0, 3)
-        k, v = k.squeeze(3).permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
+        q, k = q.reshape(s, b, self.heads_per_rank, self.head_dim), k.squeeze(3)  # (s, b, np | ng, hd)
+        if self.q_layernorm is not None:  # per head, before RoPE (which the norm's weight does not commute with)
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        q, k, v = q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.squeeze(3).permute(1, 2, 0, 3)
         if self.rotary:
             if rotary_tables is None and self.context_parallel is not None:
                 rotary_tables = self.context_parallel_rotary_tables(s, qkv.device)

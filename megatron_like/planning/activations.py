@@ -24,6 +24,10 @@ The Llama family changes three of these terms (``g`` query groups, ``f = ffn / h
 * RMSNorm (the fused kernel) keeps its input ``e`` and one float32 ``1 / rms`` per row, as LayerNorm keeps
   its input ``e``.
 
+Qwen3 changes two more: ``--kv-channels d`` makes the attention ``a d`` wide instead of ``h``, so the Q, K, V,
+rotary and attention-output terms scale by ``a d / h``; ``--qk-layernorm`` keeps the norms' inputs, Q and K
+``(1 + g / a) e``, and their per-head statistics (RMSNorm one float32 per head and token, LayerNorm two).
+
 An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
 and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
 ``N`` (token, expert) pairs (``T k``; with a capacity ``min(T k, E C)``, an upper bound as some experts take
@@ -131,9 +135,13 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
             qkv -= e
     elif m.query_groups != a:
         qkv += e  # Q copied out of the grouped QKV layout
+    if m.qk_layernorm:  # the norms' inputs (Q and K heads) and their per-head fp32 statistics
+        statistics = 4 if m.normalization == "RMSNorm" else 8
+        qkv += (1 + group_ratio) * e + statistics * (a + m.query_groups) / (a * m.head_dim)
+    width = m.attention_size / h  # heads x head_dim over h: 1 unless --kv-channels sets it apart
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate/up output 2f, result f; GELU: input, output
     mlp = mlp_matrices * e * ffn_ratio
-    split = (qkv + e + mlp) * s * b * h / tp
+    split = ((qkv + e) * width + mlp) * s * b * h / tp
     pattern = m.moe_layer_pattern
     moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
     if moe_fraction:  # average the dense MLP terms with the MoE layer's (module docstring)
@@ -150,7 +158,7 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
             core = (e + (1 + e if attention_dropout else 0)) * a * s * s * b / tp
         elif device == "cpu" and attention_dropout:
             core = 12 * a * s * s * b / tp
-            split += (8 if e == 4 else 12) * s * b * h / tp
+            split += (8 if e == 4 else 12) * s * b * h * width / tp
         else:
             core = 4 * a * s * b / tp  # flash attention's log-sum-exp
     return replicated + split + core

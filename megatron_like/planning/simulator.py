@@ -298,7 +298,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     if m.recompute_granularity == "full":
         flops += flops * layer_fraction / 3.0  # one more forward of the layers (2 of the 6 N)
     elif m.recompute_granularity == "selective":
-        flops += 4.0 * m.num_layers * m.seq_length * m.seq_length * m.hidden_size * config.global_batch_size
+        flops += 4.0 * m.num_layers * m.seq_length * m.seq_length * m.attention_size * config.global_batch_size
     vp, micro = config.virtual_pipeline_size, config.num_microbatches
     bubble = (pp - 1) / (vp * micro + pp - 1)
     compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)

@@ -12,7 +12,7 @@ def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
     h = m.hidden_size
     qkv_out = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim  # fewer K, V heads with GQA
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate, up and down
-    attention = h * qkv_out + h * h
+    attention = h * qkv_out + m.attention_size * h  # QKV, then heads x head_dim back to h
     dense_mlp = mlp_matrices * h * m.ffn_size
     moe_layers = sum(m.moe_layer_pattern)
     moe_mlp = 0
@@ -24,9 +24,10 @@ def matmul_parameters(config: Config, padded_vocab_size: int) -> int:
 
 
 def flops_per_token(config: Config, padded_vocab_size: int) -> float:
-    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (docs/design.md §8)."""
+    """Training FLOPs per token, forward and backward: ``6 N + 12 L h s`` (docs/design.md §8), ``h`` there the
+    attention's width (heads x head_dim: the hidden size unless --kv-channels sets it apart)."""
     m = config.model
-    return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+    return 6.0 * matmul_parameters(config, padded_vocab_size) + 12.0 * m.num_layers * m.attention_size * m.seq_length
 
 
 def format_log_line(

@@ -6,7 +6,8 @@ One group of 4 processes, both directions between
 a straight run of 6 iterations at the saving layout also saves at iteration 3; a second run at the other
 layout loads that checkpoint (weights, fp32 masters, Adam moments and step, lr schedule, data position)
 and trains iterations 4-6. Its losses, grad norms and final weights must equal the straight run's within
-float32 tolerance (the two layouts compute the same model, see test_zero.py and test_pipeline_parallel.py).
+float32 tolerance (the two layouts compute the same model, see test_zero.py and test_pipeline_parallel.py). The
+model has Qwen3's QK-norm (here LayerNorm's, weight and bias) and heads wider than hidden / heads.
 
 --async-save (bf16, ZeRO-2 over dp 2): the checkpoint staged and written in the background while the next
 iteration runs equals a synchronous save of the same iteration bitwise, holds the state of the
@@ -40,17 +41,20 @@ A = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
 B = ["--pipeline-model-parallel-size", "2", "--zero-stage", "3", "--optimizer-cpu-offload"]
 FLAGS = ["--ckpt-format", "torch_dist", "--train-iters", "6", "--lr-warmup-iters", "2",
          "--lr-decay-style", "cosine"]
+QK_NORM = ["--qk-layernorm", "--kv-channels", "32"]
+"""The layout test's model also has QK-norm (LayerNorm: weight and bias, replicated over tp) and 32-feature heads."""
 
 
 def straight_then_other_layout(rank: int, world_size: int, root: str) -> dict:
     out = {}
     for name, saving, loading in (("A_to_B", A, B), ("B_to_A", B, A)):
         directory = os.path.join(root, name)
-        straight = train_gpt(rank, world_size, FLAGS + saving + ["--save", directory, "--save-interval", "3"])
+        straight = train_gpt(rank, world_size, FLAGS + QK_NORM + saving + ["--save", directory, "--save-interval",
+                                                                             "3"])
         if rank == 0:  # the straight run also saved iteration 6: resume from 3
             write_tracker(directory, 3)
         comm.barrier()
-        resumed = train_gpt(rank, world_size, FLAGS + loading + ["--load", directory])
+        resumed = train_gpt(rank, world_size, FLAGS + QK_NORM + loading + ["--load", directory])
         out[name] = {"straight": straight, "resumed": resumed}
     return out
 

@@ -46,18 +46,27 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              window_size="4,0", use_rope_scaling=True, rope_scaling_original_max_position_embeddings=16)
 """A Llama-style model: each tp=2 rank caches one key/value head for its two query heads; a sliding window of 5
 keys (the prompts plus 10 new tokens run past it) and Llama 3.1's RoPE scaling."""
+QWEN3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
+             num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True,
+             qk_layernorm=True, kv_channels=16)
+"""The Llama-style model with Qwen3's QK-norm (weights drawn around 1) and heads of 16 features: each tp=2 rank
+normalizes its own query and key heads, the cached keys normalized and rotated once."""
 
 
 @functools.cache
-def checkpoint_and_reference(tmp: str, llama: bool = False) -> tuple[str, dict]:
+def checkpoint_and_reference(tmp: str, family: str = "gpt") -> tuple[str, dict]:
     """A tp=2 checkpoint of a model with a large init (so tokens depend on attention) and its tp=1 outputs."""
     config = make_config(tp=2, pp=1)
     config.model.init_method_std = 0.3
-    if llama:
-        for name, value in LLAMA.items():
-            setattr(config.model, name, value)
+    for name, value in {"gpt": {}, "llama": LLAMA, "qwen3": QWEN3}[family].items():
+        setattr(config.model, name, value)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=104, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+                param.normal_(1.0, 0.5, generator=generator)
     write_checkpoint(tmp, config, gather_full_state([model]), config.padded_vocab_size(100))
     torch.set_num_threads(1)
     return tmp, run_all(ps, tmp)
@@ -70,12 +79,18 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved_llama(tmp_path_factory):
-    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_llama_ckpt")), llama=True)
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_llama_ckpt")), "llama")
 
 
-@pytest.mark.parametrize("tp,pp,llama", [(2, 1, False), (1, 2, False), (2, 1, True)], ids=["tp2", "pp2", "tp2-llama"])
-def test_parallel_generation_equals_single_process(request, tp, pp, llama):
-    checkpoint, reference = request.getfixturevalue("saved_llama" if llama else "saved")
+@pytest.fixture(scope="module")
+def saved_qwen3(tmp_path_factory):
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_qwen3_ckpt")), "qwen3")
+
+
+@pytest.mark.parametrize("tp,pp,family", [(2, 1, ""), (1, 2, ""), (2, 1, "_llama"), (2, 1, "_qwen3")],
+                         ids=["tp2", "pp2", "tp2-llama", "tp2-qwen3"])
+def test_parallel_generation_equals_single_process(request, tp, pp, family):
+    checkpoint, reference = request.getfixturevalue("saved" + family)
     results = run_distributed(parallel_worker, tp * pp, tp, pp, checkpoint, timeout=120)
     for rank_result in results:  # every rank holds the same answer, the single process's when seeded
         assert rank_result == results[0]

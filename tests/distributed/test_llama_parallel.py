@@ -10,6 +10,10 @@ checks the rotary positions (the whole sequence, not each shard's) and the RMSNo
 "window" adds a sliding window of 6 keys, shorter than the 16-token sequence: every tp rank runs its heads through
 the blockwise core over the whole sequence's positions (RoPE scaling changes only the rotary tables, the same on
 every rank).
+"qwen3" adds Qwen3's QK-norm (--qk-layernorm) and heads of 16 features (--kv-channels 16: attention 128 wide in a
+64-wide model): each tp rank normalizes only its own heads, so the norms' weight gradients must be summed over tp
+with sequence parallelism and without it (tp2 alone), through pipeline stages, both recomputations and ZeRO-3's
+sharded gradients.
 Every configuration of one world size runs in one spawned process group.
 """
 
@@ -35,6 +39,7 @@ VP = ["--num-layers-per-virtual-pipeline-stage", "1"]
 BF16 = ["--bf16"]
 QWEN = ["--add-qkv-bias"]
 WINDOW = ["--window-size", "5,0"]
+QWEN3 = ["--qk-layernorm", "--kv-channels", "16"]
 
 
 def zero(stage: int) -> list[str]:
@@ -54,6 +59,9 @@ CASES: dict[int, dict[str, list[str]]] = {
         # oneDNN's GEMM in every linear (auto keeps these tiny ones on MKL) equals the MKL reference.
         "tp2-sp-onednn-gemm": TP2 + SP + ["--cpu-gemm-backend", "onednn"],
         "window-tp2-sp": WINDOW + TP2 + SP,
+        "qwen3-tp2": QWEN3 + TP2,
+        "qwen3-tp2-sp": QWEN3 + TP2 + SP,
+        "qwen3-pp2-recompute-selective": QWEN3 + PP2 + ["--recompute-granularity", "selective"],
     },
     4: {
         "tp4": TP4,
@@ -63,6 +71,10 @@ CASES: dict[int, dict[str, list[str]]] = {
             "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
         "pp2-dp2-zero3": PP2 + zero(3),
         "bf16-pp2-dp2-zero3-offload": BF16 + PP2 + zero(3) + ["--optimizer-cpu-offload"],
+        "qwen3-tp2-sp-pp2-zero1-recompute-full": QWEN3 + TP2 + SP + PP2 + zero(1) + [
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        "qwen3-tp2-sp-dp2-zero3": QWEN3 + TP2 + SP + zero(3),
+        "qwen3-bf16-tp2-sp-pp2": QWEN3 + BF16 + TP2 + SP + PP2,
     },
 }
 
@@ -70,8 +82,9 @@ CASES: dict[int, dict[str, list[str]]] = {
 @functools.cache
 def reference(precision: str = "fp32") -> dict:
     """The single-process Llama-style run (one per precision; "qwen": with the QKV bias; "window": with the sliding
-    window) cases compare with."""
-    extra = {"fp32": [], "bf16": BF16, "qwen": QWEN, "window": WINDOW}[precision]
+    window; "qwen3", "qwen3-bf16": with QK-norm and 16-feature heads) cases compare with."""
+    extra = {"fp32": [], "bf16": BF16, "qwen": QWEN, "window": WINDOW, "qwen3": QWEN3, "qwen3-bf16": QWEN3 + BF16}[
+        precision]
     return merge_ranks([train_gpt(0, 1, LLAMA + extra)])
 
 
@@ -86,7 +99,15 @@ def runs(world_size: int) -> dict[str, dict]:
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
 def test_llama_training_equals_single_process(world_size: int, name: str) -> None:
     run = runs(world_size)[name]
-    if name.startswith("bf16-tp"):
+    if name.startswith("qwen3-bf16"):  # bf16 with tp: losses only, as "bf16-tp" below says
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference("qwen3-bf16")["losses"]),
+                                   rtol=1e-4, atol=0)
+        # The fp32 cases prove the QK-norm gradient sum over tp: a bf16 weight near 1 (spacing 2^-7) does not show
+        # the lr-sized updates by which the tp ranks' copies would drift apart without it.
+        assert not run["replica_mismatches"], run["replica_mismatches"]
+    elif name.startswith("qwen3"):
+        assert_same_training(reference("qwen3"), run)
+    elif name.startswith("bf16-tp"):
         # Tensor parallelism sums bf16 partial products in another order than one process does, so the
         # activations differ by bf16 rounding and Adam turns that noise into lr-sized steps on the few
         # weights with near-zero gradients (rare embedding rows): only the losses are held to 1e-4.
@@ -113,3 +134,15 @@ def test_llama_reference_learns_and_has_the_llama_parameters() -> None:
     assert params["layers.0.mlp.fc1.weight"].shape == (192, 64)
     losses = reference()["losses"]
     assert losses[-1] < losses[0]
+
+
+def test_qwen3_reference_has_trained_qk_norms_and_wide_heads() -> None:
+    """The QK-norm weights exist, one [head_dim] each per layer, and training moved them (their gradient reached
+    them), so the parallel runs above compare weights that matter."""
+    params = reference("qwen3")["params"]
+    for name in ("q_layernorm", "k_layernorm"):
+        weight = params[f"layers.0.attention.{name}.weight"]
+        assert weight.shape == (16,) and not torch.equal(weight, torch.ones(16))
+    # QKV: (8 query + 2 * 4 key/value heads) * 16 features; the output projection maps 8 * 16 back to 64.
+    assert params["layers.0.attention.qkv.weight"].shape == (256, 64)
+    assert params["layers.0.attention.proj.weight"].shape == (64, 128)

@@ -57,7 +57,7 @@ def test_help_lists_the_architecture_flags():
     for flag in ("--position-embedding-type", "--rotary-base", "--rotary-percent", "--normalization",
                  "--norm-epsilon", "--swiglu", "--group-query-attention", "--num-query-groups",
                  "--disable-bias-linear", "--add-qkv-bias", "--untie-embeddings-and-output-weights",
-                 "--ffn-hidden-size", "--attention-backend"):
+                 "--ffn-hidden-size", "--attention-backend", "--kv-channels", "--qk-layernorm"):
         assert flag in text, flag
 
 

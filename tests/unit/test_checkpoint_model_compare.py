@@ -67,7 +67,7 @@ def test_a_value_and_the_default_it_stands_for_are_the_same_model():
     default = ModelConfig()
     explicit = dataclasses.replace(default, ffn_hidden_size=4 * default.hidden_size, window_size="(-1,0)",
                                    max_position_embeddings=default.seq_length, group_query_attention=True,
-                                   num_query_groups=default.num_attention_heads)
+                                   num_query_groups=default.num_attention_heads, kv_channels=default.head_dim)
     assert model_changes(default, explicit) == []
 
 

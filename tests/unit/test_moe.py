@@ -141,10 +141,12 @@ def test_flops_count_the_active_parameters_of_moe_layers() -> None:
     from megatron_like.model import GPTModel
     from megatron_like.training.metrics import matmul_parameters
 
-    # top-k = E: every expert is active, so the active parameters are all the model's matmul weights
+    # top-k = E: every expert is active, so the active parameters are all the model's matmul weights (heads of 12
+    # features, the attention 24 wide in a 16-wide model, with QK-norms: Qwen3-MoE's shape)
     model_config = moe_config(num_experts=2, moe_router_topk=2, moe_shared_expert_intermediate_size=8,
                               position_embedding_type="rope", normalization="RMSNorm",
-                              untie_embeddings_and_output_weights=True, moe_layer_freq="[1,0]")
+                              untie_embeddings_and_output_weights=True, moe_layer_freq="[1,0]", kv_channels=12,
+                              qk_layernorm=True)
     model = GPTModel(model_config, ParallelState.single_process(torch.device("cpu")), vocab_size=32, seed=0)
     weights = sum(p.numel() for name, p in model.named_parameters()
                   if "ln" not in name and "layernorm" not in name and "word_embeddings" not in name)

@@ -134,6 +134,7 @@ LAYER = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 WINDOW = ["--window-size", "15,0"]  # 16 keys of 64: the blockwise core, whichever backend, dropout or not
 WINDOW_LOCAL = WINDOW + ["--attention-backend", "local"]
+QWEN3 = ["--qk-layernorm", "--kv-channels", "64"]  # 8 heads of 64: attention twice the hidden size
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"]
 MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert-capacity-factor", "0.5",
                     "--moe-pad-expert-input-to-capacity", "--bf16"]
@@ -144,10 +145,12 @@ MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert
                                    ["--normalization", "RMSNorm", "--bf16"], LLAMA + MOE, LLAMA + MOE + ["--bf16"],
                                    LLAMA + MOE_PADDED, ["--disable-bias-linear"] + MOE, LLAMA + WINDOW,
                                    LLAMA + WINDOW_LOCAL + ["--bf16"], GQA + WINDOW,
-                                   WINDOW + ["--attention-dropout", "0.1"]],
+                                   WINDOW + ["--attention-dropout", "0.1"], LLAMA + QWEN3, LLAMA + QWEN3 + ["--bf16"],
+                                   QWEN3],
                          ids=["gpt", "gpt-bf16", "llama", "llama-bf16", "swiglu", "gqa", "rope", "rmsnorm",
                               "rmsnorm-bf16", "mixtral", "mixtral-bf16", "mixtral-shared-padded", "gpt-moe",
-                              "mistral-window", "mistral-window-local-bf16", "gqa-window", "gpt-window-dropout"])
+                              "mistral-window", "mistral-window-local-bf16", "gqa-window", "gpt-window-dropout",
+                              "qwen3", "qwen3-bf16", "gpt-qk-layernorm"])
 def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
     planner's per-layer formula, for each architecture option alone and for Llama."""
