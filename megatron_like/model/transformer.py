@@ -36,12 +36,8 @@ from megatron_like.kernels import (
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.attention_mask import sliding_window_mask
 from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
-<<<<<<< HEAD
 from megatron_like.model.context_parallel import context_parallel_attention, cp_positions
-from megatron_like.model.norms import build_norm
-=======
 from megatron_like.model.norms import build_head_norm, build_norm
->>>>>>> main
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import (
