@@ -298,3 +298,15 @@ def test_qwen3_moe_normalized_topk_is_the_default_softmax_order() -> None:
     weights, indices = TopKRouter(moe_config(num_experts=8), 0, 1, torch.float32, torch.device("cpu")).choose(logits)
     assert torch.equal(indices, hf_indices)
     torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+
+
+def test_a_checkpoint_without_expert_bias_loads_with_the_bias_at_zero() -> None:
+    """--finetune turning the bias on over a checkpoint trained without it (the torch format loads strictly)."""
+    plain = TopKRouter(moe_config(num_experts=8), 0, 1, torch.float32, torch.device("cpu"))
+    router = deepseek_router()
+    router.expert_bias.fill_(0.5)
+    router.load_state_dict(plain.state_dict())
+    assert torch.equal(router.weight, plain.weight) and not router.expert_bias.any()
+    router.expert_bias.fill_(0.5)
+    router.load_state_dict(deepseek_router().state_dict() | {"expert_bias": torch.full((8,), 0.25)})
+    assert torch.equal(router.expert_bias, torch.full((8,), 0.25))
