@@ -310,3 +310,17 @@ def test_a_checkpoint_without_expert_bias_loads_with_the_bias_at_zero() -> None:
     router.expert_bias.fill_(0.5)
     router.load_state_dict(deepseek_router().state_dict() | {"expert_bias": torch.full((8,), 0.25)})
     assert torch.equal(router.expert_bias, torch.full((8,), 0.25))
+
+
+def test_moe_layer_gives_the_router_its_sequences_for_seq_aux_loss() -> None:
+    """``[s, b, h]`` flattens position-major: the layer tells the router b, so each sequence gets its own loss."""
+    ps = ParallelState.single_process(torch.device("cpu"))
+    layer = MoELayer(moe_config(**DEEPSEEK), ps, layer=0, seed=3, sequence_parallel=False, dtype=torch.float32).train()
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(1))
+    aux_losses.reset_aux_losses()
+    layer(x)
+    logged = aux_losses.reduce_aux_losses(["load_balancing_loss"], [0], 1, ps)["load_balancing_loss"]
+    scores = torch.sigmoid(F.linear(x.reshape(12, 16), layer.router.weight))
+    expected = sequence_load_balancing_loss(scores / scores.sum(-1, keepdim=True), 2, 2)
+    assert logged == pytest.approx(expected.item())
+    assert logged != pytest.approx(sequence_load_balancing_loss(scores / scores.sum(-1, keepdim=True), 1, 2).item())
