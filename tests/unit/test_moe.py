@@ -235,6 +235,8 @@ def test_expert_bias_chooses_the_experts_but_not_their_weights() -> None:
     router = deepseek_router(moe_router_num_groups=None, moe_router_group_topk=None)
     assert "expert_bias" in router.state_dict() and "tokens_per_expert" not in router.state_dict()
     assert all(p is not router.expert_bias for p in router.parameters())
+    bf16 = TopKRouter(moe_config(**DEEPSEEK), 0, 1, torch.bfloat16, torch.device("cpu"))
+    assert bf16.weight.dtype == torch.bfloat16 and bf16.expert_bias.dtype == torch.float32
     logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
     router.expert_bias[5] = 10.0  # every token now picks expert 5 ...
     weights, indices = router.choose(logits)
