@@ -18,9 +18,9 @@ each against its own single-process run: Sinkhorn routing with the grouped GEMM 
 top-k with position-ordered dropping padded to capacity (allgather).
 
 DeepSeek-V3's routing (sigmoid scores, 8 experts in 4 groups, scaling factor, sequence-level aux loss, the expert
-bias moved after every step; first layer dense, shared expert) at ep 2 with etp 1 and 2, tp 2 + sp and dp 2 x pp 2
-with ZeRO-3: losses, router losses and every layer's expert bias at every iteration equal one process's, and every
-rank holds the same bias (merge_ranks).
+bias moved after every step; first layer dense, shared expert) at ep 2 with etp 1 and 2 (tp 1), ep 2 with etp 1
+inside tp 2 + sp, tp 2 + sp and dp 2 x pp 2 with ZeRO-3: losses, router losses and every layer's expert bias at
+every iteration equal one process's, and every rank holds the same bias (merge_ranks).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ DEEPSEEK = DEEPSEEK_UNGROUPED + GROUP_LIMIT
 DEEPSEEK_CASES: dict[str, list[str]] = {
     "deepseek-ep2-etp1-alltoall-zero1": ep(2) + ALLTOALL + zero(1),
     "deepseek-ep2-etp2-tp1-alltoall": ep(2) + etp(2) + ALLTOALL,
+    "deepseek-etp1-tp2-sp-ep2-alltoall-zero2": ep(2) + etp(1) + TP2_SP + ALLTOALL + zero(2),
     "deepseek-tp2-sp-allgather": TP2_SP + ALLGATHER,
     "deepseek-dp2-pp2-zero3": ["--pipeline-model-parallel-size", "2"] + zero(3),
 }
