@@ -172,6 +172,8 @@ def no_effect_warnings(config: Config) -> list[str]:
     if m.num_experts is not None and p.expert_model_parallel_size == 1 and etp_is_tp \
             and m.moe_token_dispatcher_type == "alltoall":
         warnings.append("--moe-token-dispatcher-type alltoall has no effect with --expert-model-parallel-size 1")
+    if m.num_experts is not None and m.moe_router_pre_softmax and m.moe_router_score_function == "sigmoid":
+        warnings.append("--moe-router-pre-softmax has no effect with --moe-router-score-function sigmoid")
     if config.data.eod_mask_loss and config.data.mock_data:
         warnings.append("--eod-mask-loss has no effect with --mock-data (its tokens have no end-of-document id)")
     if config.data.reset_position_ids and m.position_embedding_type != "learned_absolute":

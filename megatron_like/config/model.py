@@ -147,10 +147,11 @@ class ModelConfig:
     moe_layer_freq: Annotated[str, MUST_MATCH.through("moe_layer_pattern"), NEEDS_EXPERTS] = "1"
     """Which layers are MoE: N (every N-th layer, from layer 0) or a Python list of 0/1 per layer, e.g.
     "([1]*3+[0]*1)*2" (Megatron-LM's forms)."""
-    moe_router_load_balancing_type: Annotated[Literal["aux_loss", "sinkhorn", "none"],
+    moe_router_load_balancing_type: Annotated[Literal["aux_loss", "sinkhorn", "none", "seq_aux_loss"],
                                               MUST_MATCH.through("moe_sinkhorn_routing"), NEEDS_EXPERTS] = "aux_loss"
-    """'aux_loss': the Switch load-balancing loss; 'sinkhorn': route by Sinkhorn-balanced scores (no loss);
-    'none': plain top-k."""
+    """'aux_loss': the Switch load-balancing loss over the micro batch; 'seq_aux_loss': the same loss per
+    sequence, averaged over the sequences (DeepSeek-V2/V3); 'sinkhorn': route by Sinkhorn-balanced scores (no
+    loss); 'none': plain top-k."""
     moe_aux_loss_coeff: Annotated[float, MAY_CHANGE, NON_NEGATIVE, NEEDS_EXPERTS] = 0.0
     """Weight of the load-balancing loss added to the training loss (Megatron's default 0; 1e-2 is usual)."""
     moe_z_loss_coeff: Annotated[float | None, MAY_CHANGE, NON_NEGATIVE, NEEDS_EXPERTS] = None
@@ -158,6 +159,26 @@ class ModelConfig:
     moe_router_pre_softmax: Annotated[bool, MUST_MATCH, NEEDS_EXPERTS] = False
     """Softmax over all experts, then top-k (the k probabilities do not sum to 1); default: top-k of the
     logits, then softmax over those k (Mixtral)."""
+    moe_router_score_function: Annotated[Literal["softmax", "sigmoid"], MUST_MATCH, NEEDS_EXPERTS] = "softmax"
+    """How logits become scores: 'softmax' (Mixtral, Qwen) or 'sigmoid' of each logit (DeepSeek-V3), whose k
+    chosen scores are then divided by their sum (with k > 1)."""
+    moe_router_num_groups: Annotated[int | None, MUST_MATCH, POSITIVE, NEEDS_EXPERTS,
+                                     Requires("moe_router_group_topk")] = None
+    """Group-limited routing (DeepSeek-V3's node-limited routing): the experts in this many equal groups of
+    consecutive experts; each token picks --moe-router-group-topk groups, then its top-k inside them."""
+    moe_router_group_topk: Annotated[int | None, MUST_MATCH, POSITIVE, NEEDS_EXPERTS,
+                                     Requires("moe_router_num_groups")] = None
+    """Groups each token may route to: those whose two best scores sum highest (DeepSeek-V3)."""
+    moe_router_topk_scaling_factor: Annotated[float | None, MUST_MATCH, POSITIVE, NEEDS_EXPERTS] = None
+    """Multiply the k routing weights by this factor (DeepSeek-V3's routed_scaling_factor, 2.5); None: 1."""
+    moe_router_enable_expert_bias: Annotated[bool, FINETUNE_MAY_CHANGE, NEEDS_EXPERTS,
+                                             Requires("moe_router_score_function", "sigmoid")] = False
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for choosing the
+    experts only, moves after every optimizer step by --moe-router-bias-update-rate towards the experts that got
+    fewer tokens than the mean (a buffer, not a parameter; saved in checkpoints)."""
+    moe_router_bias_update_rate: Annotated[float, MAY_CHANGE, NON_NEGATIVE,
+                                           Requires("moe_router_enable_expert_bias")] = 1e-3
+    """Step of the expert bias per optimizer step: + rate for an expert below the mean load, - rate above."""
     moe_token_dispatcher_type: Annotated[Literal["allgather", "alltoall"], NotCompared(
         "how tokens travel between expert-parallel ranks; the experts compute the same"), NEEDS_EXPERTS] = "allgather"
     """How tokens reach the experts of other expert-parallel ranks: all-gather every token (then
@@ -245,10 +266,29 @@ class ModelConfig:
                  "[experts, in, out] weights, as Megatron-LM's GroupedMLP)")
         _require(self.moe_router_load_balancing_type != "sinkhorn" or not self.moe_router_pre_softmax,
                  "--moe-router-pre-softmax does not apply to --moe-router-load-balancing-type sinkhorn")
+        self.validate_moe_routing()
         pattern = self.moe_layer_pattern  # raises ConfigError on a malformed --moe-layer-freq
         _require(len(pattern) == self.num_layers,
                  f"--moe-layer-freq {self.moe_layer_freq} gives {len(pattern)} layers but --num-layers is "
                  f"{self.num_layers}")
+
+    def validate_moe_routing(self) -> None:
+        """Rules of the DeepSeek routing flags (score function, group-limited top-k)."""
+        e, k = self.num_experts, self.moe_router_topk
+        sinkhorn = self.moe_router_load_balancing_type == "sinkhorn"
+        _require(not (sinkhorn and self.moe_router_score_function == "sigmoid"),
+                 "--moe-router-score-function sigmoid does not apply to --moe-router-load-balancing-type sinkhorn "
+                 "(Sinkhorn weighs by its own rule)")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups is None:
+            return
+        _require(not sinkhorn, "--moe-router-num-groups does not apply to --moe-router-load-balancing-type sinkhorn")
+        _require(e % groups == 0, f"--num-experts {e} is not divisible by --moe-router-num-groups {groups}")
+        _require(group_topk <= groups,
+                 f"--moe-router-group-topk {group_topk} must be at most --moe-router-num-groups {groups}")
+        _require(k <= group_topk * (e // groups),
+                 f"--moe-router-topk {k} is more than the {group_topk * (e // groups)} experts of "
+                 f"--moe-router-group-topk {group_topk} groups of {e // groups}")
 
     @property
     def moe_layer_pattern(self) -> list[bool]:

@@ -25,6 +25,7 @@ from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
 from megatron_like.model import chunk_layers
 from megatron_like.model.moe import reduce_aux_losses, reset_aux_losses, set_aux_loss_backward_scale
+from megatron_like.model.moe.expert_bias import update_expert_biases
 from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
@@ -63,6 +64,9 @@ class TrainingResult:
     optimizer: DistributedOptimizer | None = None
     moe_losses: list[dict[str, float]] = field(default_factory=list)
     """Each iteration's MoE router losses (load_balancing_loss, z_loss), as logged; empty without MoE."""
+    expert_biases: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    """Each iteration's expert biases after its update, ``{global layer: bias [E]}`` of this rank's MoE layers
+    (--moe-router-enable-expert-bias; empty without it)."""
 
 
 def check_supported(config: Config) -> None:
@@ -122,7 +126,7 @@ def moe_loss_names(config: Config) -> list[str]:
     m = config.model
     if m.num_experts is None:
         return []
-    names = ["load_balancing_loss"] if m.moe_router_load_balancing_type == "aux_loss" else []
+    names = ["load_balancing_loss"] if m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") else []
     return names + (["z_loss"] if m.moe_z_loss_coeff is not None else [])
 
 
@@ -140,6 +144,8 @@ class StepOutput:
     """The loss scale this step's backward used."""
     moe_losses: dict[str, float] = field(default_factory=dict)
     """MoE router losses: mean over MoE layers, micro batches and dp ranks (every rank knows them)."""
+    expert_biases: dict[int, torch.Tensor] = field(default_factory=dict)
+    """This rank's MoE layers' expert biases after this step's update (empty without expert bias)."""
 
 
 def _with_scaled_loss(forward_step_func: Callable, optimizer: DistributedOptimizer) -> Callable:
@@ -189,10 +195,12 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     result = optimizer.step()
     if result.successful:
         scheduler.step()
+    # Auxiliary-loss-free balancing: from the tokens routed in this step, on every rank alike (expert_bias.py).
+    expert_biases = update_expert_biases(model, ps)
     losses = average_losses(stats, ps)
     if losses:  # the log line shows them after the LM loss
         losses.update(moe_losses)
-    return StepOutput(losses, result.grad_norm, not result.successful, loss_scale, moe_losses)
+    return StepOutput(losses, result.grad_norm, not result.successful, loss_scale, moe_losses, expert_biases)
 
 
 def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
@@ -309,6 +317,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
             result.losses.append(main_loss(losses))
         if step.moe_losses:
             result.moe_losses.append(step.moe_losses)
+        if step.expert_biases:
+            result.expert_biases.append(step.expert_biases)
         result.grad_norms.append(float("nan") if grad_norm is None else grad_norm)
         if iteration % log.log_interval == 0:
             elapsed = (time.perf_counter() - interval_start) / interval_iters

@@ -91,6 +91,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "skipped_iterations": result.skipped_iterations,
         "nan_iterations": result.nan_iterations,
         "moe_losses": result.moe_losses,
+        "expert_biases": result.expert_biases,
     }
 
 
@@ -127,10 +128,27 @@ def merge_ranks(results: list[dict]) -> dict:
                 mismatches.append(f"{name} of rank {rank} {r.get('coords', '')} differs by "
                                   f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
     merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
-              "copies": copies, "replica_mismatches": mismatches}
+              "copies": copies, "replica_mismatches": mismatches,
+              "expert_biases": _merge_expert_biases(results, mismatches)}
     for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses"):
         if key in results[-1]:
             merged[key] = results[-1][key]
+    return merged
+
+
+def _merge_expert_biases(results: list[dict], mismatches: list[str]) -> list[dict[int, torch.Tensor]]:
+    """Per iteration, every MoE layer's expert bias (stages hold different layers); a rank holding another value
+    for a layer than the first rank holding it is named in ``mismatches`` (the update must be the same on all)."""
+    merged: list[dict[int, torch.Tensor]] = []
+    for rank, r in enumerate(results):
+        for step, biases in enumerate(r.get("expert_biases", [])):
+            if step == len(merged):
+                merged.append({})
+            for layer, bias in biases.items():
+                first = merged[step].setdefault(layer, bias)
+                if not torch.equal(first, bias):
+                    mismatches.append(f"expert bias of layer {layer} at iteration {step + 1} on rank {rank} differs "
+                                      f"by {(first - bias).abs().max().item():.3g} from the first rank holding it")
     return merged
 
 

@@ -21,6 +21,9 @@ rank) resumes bitwise and refuses another ep in one line. Expert tensor parallel
 continues at tp2 + sp with etp 1 (ZeRO-1 over the expert-data-parallel group, saving again), and one saved at
 tp2 + sp, etp 1, ep 2 continues at tp 1 with etp 2 (ZeRO-2), each like its straight run; both hold their run's
 weights at the global places the inference tools read; the torch format refuses etp other than tp in one line.
+
+DeepSeek routing (a group of 2, ep 2): the expert bias, a buffer moved after every step, resumes bitwise in
+both formats (losses, router losses, biases at every iteration, weights).
 """
 
 from __future__ import annotations
@@ -311,6 +314,43 @@ def test_moe_torch_format_at_another_expert_layout_is_a_one_line_error(moe_runs)
     for message in moe_runs["torch_other_etp"]:
         assert message is not None and "\n" not in message
         assert "torch-format checkpoint" in message and "this run uses 2" in message and "torch_dist" in message
+
+
+# ------------------------------------------------------------------ DeepSeek routing: the expert bias resumes
+# docs/moe.md: sigmoid, groups, expert bias, seq_aux_loss (test_moe_parallel.py's DEEPSEEK) at ep 2 in dp 2 with
+# ZeRO-1; the bias is a buffer, so only the model's buffers carry it across the restart.
+BIAS_LAYOUT = ["--expert-model-parallel-size", "2", "--zero-stage", "1", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def expert_bias_resumes(rank: int, world_size: int, root: str) -> dict:
+    from tests.distributed.test_moe_parallel import DEEPSEEK, MOE
+
+    out = {}
+    for fmt in ("torch_dist", "torch"):
+        directory = os.path.join(root, fmt)
+        flags = MOE + DEEPSEEK + MOE_FLAGS + BIAS_LAYOUT + ["--ckpt-format", fmt]
+        out[fmt + "straight"] = train_gpt(rank, world_size, flags + ["--save", directory])
+        comm.barrier()
+        if rank == 0:
+            write_tracker(directory, 2)  # the straight run also saved iteration 4: resume from 2
+        comm.barrier()
+        out[fmt + "resumed"] = train_gpt(rank, world_size, flags + ["--load", directory])
+    return out
+
+
+def test_expert_bias_resumes_bitwise_in_both_formats(tmp_path) -> None:
+    results = run_distributed(expert_bias_resumes, 2, str(tmp_path), timeout=600)
+    for fmt in ("torch_dist", "torch"):
+        straight, resumed = (merge_ranks([r[fmt + part] for r in results]) for part in ("straight", "resumed"))
+        assert not straight["replica_mismatches"] and not resumed["replica_mismatches"]
+        assert len(straight["expert_biases"]) == 4 and sorted(straight["expert_biases"][1]) == [1, 2, 3]
+        assert any(b.abs().sum() > 0 for b in straight["expert_biases"][1].values())  # the bias to restore
+        for step, (expected, got) in enumerate(zip(straight["expert_biases"][2:], resumed["expert_biases"],
+                                                   strict=True)):
+            assert all(torch.equal(expected[layer], got[layer]) for layer in expected), f"{fmt} iteration {step + 3}"
+        assert resumed["losses"] == straight["losses"][2:], fmt
+        assert resumed["moe_losses"] == straight["moe_losses"][2:], fmt
+        assert all(torch.equal(resumed["params"][k], v) for k, v in straight["params"].items()), fmt
 
 
 def assert_same_values(a, b, where) -> None:

@@ -16,6 +16,11 @@ without ep).
 The router's and the experts' other flags at ep 2 x tp 2 with sequence parallelism (docs/moe.md's command),
 each against its own single-process run: Sinkhorn routing with the grouped GEMM (alltoall), and softmax before
 top-k with position-ordered dropping padded to capacity (allgather).
+
+DeepSeek-V3's routing (sigmoid scores, 8 experts in 4 groups, scaling factor, sequence-level aux loss, the expert
+bias moved after every step; first layer dense, shared expert) at ep 2 with etp 1 and 2 (tp 1), ep 2 with etp 1
+inside tp 2 + sp, tp 2 + sp and dp 2 x pp 2 with ZeRO-3: losses, router losses and every layer's expert bias at
+every iteration equal one process's, and every rank holds the same bias (merge_ranks).
 """
 
 from __future__ import annotations
@@ -80,10 +85,27 @@ VARIANTS: dict[str, list[str]] = {
 }
 CASES.update({name: flags + ep(2) + TP2_SP + (ALLTOALL if "alltoall" in name else ALLGATHER)
               for name, flags in VARIANTS.items()})
+# DeepSeek-V3's routing on a DeepSeek-shaped MoE (first layer dense, 8 experts in 4 groups, top-2 of the best 2
+# groups, sigmoid, scaling factor, expert bias moved 1e-2 a step, sequence-level aux loss; MOE's shared expert).
+GROUP_LIMIT = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"]
+DEEPSEEK_UNGROUPED = ["--num-experts", "8", "--moe-layer-freq", "[0,1,1,1]", "--moe-router-score-function", "sigmoid",
+                      "--moe-router-topk-scaling-factor", "2.5", "--moe-router-enable-expert-bias",
+                      "--moe-router-bias-update-rate", "1e-2", "--moe-router-load-balancing-type", "seq_aux_loss"]
+DEEPSEEK = DEEPSEEK_UNGROUPED + GROUP_LIMIT
+DEEPSEEK_CASES: dict[str, list[str]] = {
+    "deepseek-ep2-etp1-alltoall-zero1": ep(2) + ALLTOALL + zero(1),
+    "deepseek-ep2-etp2-tp1-alltoall": ep(2) + etp(2) + ALLTOALL,
+    "deepseek-etp1-tp2-sp-ep2-alltoall-zero2": ep(2) + etp(1) + TP2_SP + ALLTOALL + zero(2),
+    "deepseek-tp2-sp-allgather": TP2_SP + ALLGATHER,
+    "deepseek-dp2-pp2-zero3": ["--pipeline-model-parallel-size", "2"] + zero(3),
+}
+CASES.update({name: DEEPSEEK + flags for name, flags in DEEPSEEK_CASES.items()})
 
 
 def model_flags(name: str) -> tuple[str, ...]:
     """The flags of the single-process run case ``name`` equals (its layout flags left out)."""
+    if name in DEEPSEEK_CASES:
+        return tuple(DEEPSEEK)
     return tuple(VARIANTS.get(name, CAPACITY if "capacity" in name else []))
 
 
@@ -108,11 +130,33 @@ def assert_same_router_losses(reference: dict, run: dict, steps: int = 3) -> Non
                                    torch.tensor([step[name] for step in reference["moe_losses"]]), rtol=1e-5, atol=0)
 
 
+def assert_same_expert_biases(reference: dict, run: dict) -> None:
+    """The expert bias of every MoE layer equal after every iteration (updated from the same global counts)."""
+    assert len(run["expert_biases"]) == len(reference["expert_biases"])
+    for step, (expected, got) in enumerate(zip(reference["expert_biases"], run["expert_biases"]), start=1):
+        assert sorted(got) == sorted(expected), f"iteration {step}: layers {sorted(got)}"
+        for layer, bias in expected.items():
+            assert torch.equal(got[layer], bias), f"iteration {step} layer {layer}: {got[layer]} != {bias}"
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_training_equals_single_process(name: str) -> None:
     run, expected = runs()[name], reference(model_flags(name))
     assert_same_training(expected, run)
     assert_same_router_losses(expected, run)
+    assert_same_expert_biases(expected, run)
+
+
+def test_deepseek_reference_moves_its_biases_and_its_group_limit_binds() -> None:
+    """The DeepSeek cases above are not plain routing in disguise: the single-process run's biases move every
+    step (in every MoE layer), and its losses differ from the same model without the group limit."""
+    run = reference(tuple(DEEPSEEK))
+    assert len(run["expert_biases"]) == 3
+    for step, biases in enumerate(run["expert_biases"], start=1):
+        assert sorted(biases) == [1, 2, 3]
+        for bias in biases.values():  # each step moves every expert by -rate, 0 or +rate
+            assert bias.abs().max() <= step * 1e-2 + 1e-7 and bias.abs().sum() > 0
+    assert abs(reference(tuple(DEEPSEEK_UNGROUPED))["losses"][-1] - run["losses"][-1]) > 1e-4
 
 
 def test_moe_reference_learns_and_drops_tokens() -> None:
@@ -168,6 +212,16 @@ def test_expert_layout_is_megatrons_expert_rank_generator() -> None:
      "--ckpt-format torch cannot save --expert-tensor-parallel-size 1 other than --tensor-model-parallel-size 2; "
      "use --ckpt-format torch_dist"),
     (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
+    (["--num-experts", "6"] + GROUP_LIMIT, "--num-experts 6 is not divisible by --moe-router-num-groups 4"),
+    (["--num-experts", "8", "--moe-router-num-groups", "2", "--moe-router-group-topk", "3"],
+     "--moe-router-group-topk 3 must be at most --moe-router-num-groups 2"),
+    (["--num-experts", "8", "--moe-router-topk", "5"] + GROUP_LIMIT,
+     "--moe-router-topk 5 is more than the 4 experts of --moe-router-group-topk 2 groups of 2"),
+    (["--num-experts", "8", "--moe-router-group-topk", "2"], "--moe-router-group-topk 2 needs --moe-router-num-groups"),
+    (["--num-experts", "8", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid"),
+    (["--num-experts", "8", "--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "sinkhorn"],
+     "--moe-router-score-function sigmoid does not apply to --moe-router-load-balancing-type sinkhorn"),
 ])
 def test_invalid_moe_layouts_are_one_line_errors(flags: list[str], message: str) -> None:
     base = ["--num-layers", "4", "--disable-bias-linear", "--mock-data", "--vocab-size", "64"]

@@ -18,6 +18,8 @@ from megatron_like.model.moe.router import (
     TopKRouter,
     drop_over_capacity,
     expert_capacity,
+    group_limited_topk,
+    sequence_load_balancing_loss,
     switch_load_balancing_loss,
     topk_softmax,
 )
@@ -184,3 +186,145 @@ def test_grouped_gemm_flag_runs_the_kernel_and_equals_the_expert_loop(monkeypatc
     assert len(calls) == 2  # fc1 and fc2 of the grouped layer; none for the loop
     for loop, grouped in zip(*results, strict=True):
         torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 and Qwen3-MoE routing
+DEEPSEEK = dict(num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_num_groups=4,
+                moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=0.01, moe_router_load_balancing_type="seq_aux_loss")
+
+
+def deepseek_router(**overrides) -> TopKRouter:
+    config = moe_config(**{**DEEPSEEK, **overrides})
+    return TopKRouter(config, layer=0, seed=1, dtype=torch.float32, device=torch.device("cpu")).train()
+
+
+def loop_group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int) -> list[set[int]]:
+    """DeepSeek-V3's rule token by token: groups ranked by the sum of their two best scores, then top-k inside."""
+    per_group = scores.shape[1] // num_groups
+    chosen = []
+    for row in scores.tolist():
+        groups = [row[g * per_group:(g + 1) * per_group] for g in range(num_groups)]
+        ranked = sorted(range(num_groups), key=lambda g: -sum(sorted(groups[g])[-2:]))[:group_topk]
+        allowed = [e for g in ranked for e in range(g * per_group, (g + 1) * per_group)]
+        chosen.append(set(sorted(allowed, key=lambda e: -row[e])[:topk]))
+    return chosen
+
+
+def test_group_limited_topk_keeps_the_best_groups_by_their_two_best_scores() -> None:
+    scores = torch.rand(64, 8, generator=torch.Generator().manual_seed(5))
+    values, indices = group_limited_topk(scores, 2, 4, 2)
+    assert [set(row) for row in indices.tolist()] == loop_group_limited_topk(scores, 2, 4, 2)
+    torch.testing.assert_close(values, scores.gather(1, indices))
+    plain = torch.topk(scores, 2, dim=-1).indices
+    assert any(set(a) != set(b) for a, b in zip(indices.tolist(), plain.tolist()))  # the limit did bind
+    # one group holding the single best expert loses to two groups of good pairs
+    row = torch.tensor([[0.99, 0.0, 0.6, 0.6, 0.55, 0.55, 0.1, 0.1]])
+    assert set(group_limited_topk(row, 2, 4, 2)[1][0].tolist()) == {2, 3}
+
+
+def test_sigmoid_routing_normalizes_the_chosen_scores_and_scales_them() -> None:
+    router = deepseek_router(moe_router_num_groups=None, moe_router_group_topk=None,
+                             moe_router_enable_expert_bias=False)
+    logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    weights, indices = router.choose(logits)
+    top, expected_indices = torch.topk(torch.sigmoid(logits), 2, dim=-1)
+    assert torch.equal(indices, expected_indices)
+    torch.testing.assert_close(weights, 2.5 * top / top.sum(-1, keepdim=True))
+
+
+def test_expert_bias_chooses_the_experts_but_not_their_weights() -> None:
+    router = deepseek_router(moe_router_num_groups=None, moe_router_group_topk=None)
+    assert "expert_bias" in router.state_dict() and "tokens_per_expert" not in router.state_dict()
+    assert all(p is not router.expert_bias for p in router.parameters())
+    bf16 = TopKRouter(moe_config(**DEEPSEEK), 0, 1, torch.bfloat16, torch.device("cpu"))
+    assert bf16.weight.dtype == torch.bfloat16 and bf16.expert_bias.dtype == torch.float32
+    logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    router.expert_bias[5] = 10.0  # every token now picks expert 5 ...
+    weights, indices = router.choose(logits)
+    assert (indices == 5).any(dim=-1).all()
+    scores = torch.sigmoid(logits).gather(1, indices)  # ... weighted by its unbiased score
+    torch.testing.assert_close(weights, 2.5 * scores / scores.sum(-1, keepdim=True))
+
+
+def test_expert_bias_moves_towards_the_experts_below_the_mean_load() -> None:
+    from megatron_like.model.moe.expert_bias import update_expert_biases
+
+    ps = ParallelState.single_process(torch.device("cpu"))
+    layer = MoELayer(moe_config(**DEEPSEEK), ps, layer=1, seed=3, sequence_parallel=False, dtype=torch.float32)
+    router = layer.router
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(1))
+    layer.train()(x)
+    counts = router.tokens_per_expert.clone()
+    assert counts.sum() == 6 * 2 * 2  # every token's two choices, training only
+    layer.eval()(x)
+    assert torch.equal(router.tokens_per_expert, counts)
+    biases = update_expert_biases([layer], ps)
+    expected = 0.01 * torch.sign(counts.mean() - counts)
+    assert list(biases) == [1] and torch.equal(biases[1], expected) and torch.equal(router.expert_bias, expected)
+    assert expected.abs().sum() > 0 and not router.tokens_per_expert.any()  # moved, and the counter restarts
+
+
+def test_sequence_aux_loss_is_the_switch_loss_of_each_sequence_averaged() -> None:
+    scores = torch.softmax(torch.randn(12, 4, generator=torch.Generator().manual_seed(3)), -1)  # s 6, b 2
+    by_sequence = []
+    for b in range(2):
+        rows = scores[b::2]  # rows are position-major: [s, b] flattened
+        chosen = torch.zeros_like(rows, dtype=torch.bool).scatter_(1, rows.topk(2, -1).indices, True)
+        by_sequence.append(switch_load_balancing_loss(rows, chosen, 2))
+    torch.testing.assert_close(sequence_load_balancing_loss(scores, 2, 2), torch.stack(by_sequence).mean())
+    whole = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(2, -1).indices, True)
+    torch.testing.assert_close(sequence_load_balancing_loss(scores, 1, 2), switch_load_balancing_loss(scores, whole, 2))
+    assert (torch.stack(by_sequence) - switch_load_balancing_loss(scores, whole, 2)).abs().max() > 1e-3
+
+
+def test_sigmoid_seq_aux_loss_reaches_the_router_gradient_like_an_added_loss() -> None:
+    router = deepseek_router(moe_aux_loss_coeff=0.1)
+    tokens = torch.randn(12, 16, generator=torch.Generator().manual_seed(0))
+    aux_losses.reset_aux_losses()
+    aux_losses.set_aux_loss_backward_scale(1.0)
+    probs, _ = router(tokens, num_sequences=2)
+    probs.square().sum().backward()
+    hooked = router.weight.grad.clone()
+    router.weight.grad = None
+    logits = F.linear(tokens, router.weight)
+    weights, indices = router.choose(logits)
+    scores = torch.sigmoid(logits)
+    aux = sequence_load_balancing_loss(scores / scores.sum(-1, keepdim=True), 2, 2)
+    (torch.zeros_like(logits).scatter(1, indices, weights).square().sum() + 0.1 * aux).backward()
+    torch.testing.assert_close(hooked, router.weight.grad)
+
+
+def test_qwen3_moe_normalized_topk_is_the_default_softmax_order() -> None:
+    """Hugging Face's Qwen3-MoE (norm_topk_prob): softmax over all experts, top-k, divided by the k's sum."""
+    logits = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    top, hf_indices = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
+    weights, indices = TopKRouter(moe_config(num_experts=8), 0, 1, torch.float32, torch.device("cpu")).choose(logits)
+    assert torch.equal(indices, hf_indices)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))
+
+
+def test_a_checkpoint_without_expert_bias_loads_with_the_bias_at_zero() -> None:
+    """--finetune turning the bias on over a checkpoint trained without it (the torch format loads strictly)."""
+    plain = TopKRouter(moe_config(num_experts=8), 0, 1, torch.float32, torch.device("cpu"))
+    router = deepseek_router()
+    router.expert_bias.fill_(0.5)
+    router.load_state_dict(plain.state_dict())
+    assert torch.equal(router.weight, plain.weight) and not router.expert_bias.any()
+    router.expert_bias.fill_(0.5)
+    router.load_state_dict(deepseek_router().state_dict() | {"expert_bias": torch.full((8,), 0.25)})
+    assert torch.equal(router.expert_bias, torch.full((8,), 0.25))
+
+
+def test_moe_layer_gives_the_router_its_sequences_for_seq_aux_loss() -> None:
+    """``[s, b, h]`` flattens position-major: the layer tells the router b, so each sequence gets its own loss."""
+    ps = ParallelState.single_process(torch.device("cpu"))
+    layer = MoELayer(moe_config(**DEEPSEEK), ps, layer=0, seed=3, sequence_parallel=False, dtype=torch.float32).train()
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(1))
+    aux_losses.reset_aux_losses()
+    layer(x)
+    logged = aux_losses.reduce_aux_losses(["load_balancing_loss"], [0], 1, ps)["load_balancing_loss"]
+    scores = torch.sigmoid(F.linear(x.reshape(12, 16), layer.router.weight))
+    expected = sequence_load_balancing_loss(scores / scores.sum(-1, keepdim=True), 2, 2)
+    assert logged == pytest.approx(expected.item())
+    assert logged != pytest.approx(sequence_load_balancing_loss(scores / scores.sum(-1, keepdim=True), 1, 2).item())

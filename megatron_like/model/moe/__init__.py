@@ -1,6 +1,8 @@
 """Mixture of experts (docs/moe.md), one job per module, in the order a token meets them:
 
-* ``router.py``: scores ``[T, E]``, top-k, load-balancing (aux loss, Sinkhorn), z-loss, capacity dropping;
+* ``router.py``: scores ``[T, E]`` (softmax, sigmoid), (group-limited) top-k, load-balancing (aux loss, sequence
+  aux loss, Sinkhorn, expert bias), z-loss, capacity dropping;
+* ``expert_bias.py``: the expert bias's update after each optimizer step (auxiliary-loss-free balancing);
 * ``aux_losses.py``: how the router's losses reach the gradient (an autograd hook) and the training log;
 * ``permutation.py``: tokens sorted by expert and back (argsort / index_select / index_add, no Python loop);
 * ``token_dispatcher.py``: getting tokens to the expert-parallel rank holding their expert (all-gather or

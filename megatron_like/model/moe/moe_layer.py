@@ -69,7 +69,7 @@ class MoELayer(nn.Module):
             full = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=False)
         s, b, h = full.shape
         tokens = full.reshape(s * b, h)
-        probs, routing_map = self.router(tokens)
+        probs, routing_map = self.router(tokens, num_sequences=b)
         if self.send_own_shard:  # rows [T / tp] of this rank's shard; the probs' backward all-gathers over tp
             tokens = x.reshape(-1, h)
             probs = scatter_to_sequence_parallel_region(probs, self.tp_group)

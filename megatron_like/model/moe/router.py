@@ -23,6 +23,25 @@ Load balancing (``--moe-router-load-balancing-type``):
 
 ``--moe-z-loss-coeff``: ST-MoE's ``mean_t logsumexp(logits_t)^2`` keeps logits small.
 
+DeepSeek-V3's routing (Megatron-LM's flags):
+
+* ``--moe-router-score-function sigmoid``: scores ``sigmoid(logits)``; the k chosen scores are divided by
+  their sum (k > 1), so the weights sum to 1 as softmax's do;
+* ``--moe-router-num-groups G --moe-router-group-topk g``: the E experts form G groups of consecutive experts;
+  a token keeps the g groups whose two best scores sum highest and takes its top-k among their experts;
+* ``--moe-router-topk-scaling-factor``: the k weights times this factor;
+* ``--moe-router-enable-expert-bias``: auxiliary-loss-free balancing. ``expert_bias [E]`` (a buffer, not a
+  parameter) is added to the scores to *choose* the experts; the weights stay the unbiased scores. The router
+  counts the tokens it routes to each expert during training (``tokens_per_expert``); after each optimizer step
+  ``expert_bias.py`` sums the counts over the ranks that saw other tokens and moves every bias by
+  ``--moe-router-bias-update-rate`` towards the experts below the mean load.
+* ``seq_aux_loss``: the load-balancing loss of each sequence of the micro batch, averaged over them.
+
+The load-balancing losses score every expert without the bias or the group limit (Megatron-LM's and
+DeepSeek-V3's rule): ``softmax(logits)``, or sigmoid scores divided by their sum over the E experts, and
+their plain top-k as ``f``. Qwen3-MoE's normalized top-k (``norm_topk_prob``: softmax over all experts, top-k,
+then divided by the k's sum) is the default softmax order: the same weights as a softmax over the k logits.
+
 Capacity (``--moe-expert-capacity-factor c``): each expert takes at most ``ceil(c * T * k / E)`` of the
 micro batch's assignments (at most T); the rest are dropped (the token gets nothing from that expert). Which
 ones stay is ``--moe-token-drop-policy``: the highest probabilities, or the earliest tokens; ties go to the
@@ -33,6 +52,7 @@ every expert up to exactly the capacity with tokens not routed to it, at weight 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +65,20 @@ from megatron_like.tensor_parallel import init_generator, mark_replicated, new_p
 from megatron_like.tensor_parallel.initialization import draw_slice
 from megatron_like.tensor_parallel.random import is_recomputing
 
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``(scores [T, E], k) -> (values, indices) [T, k]``: plain or group-limited top-k."""
 
-def topk_softmax(logits: torch.Tensor, topk: int, pre_softmax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+
+def plain_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.topk(scores, k=topk, dim=-1)
+
+
+def topk_softmax(logits: torch.Tensor, topk: int, pre_softmax: bool,
+                 select: TopK = plain_topk) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` -> weights and expert indices ``[T, k]`` (see the module docstring for the order)."""
     if pre_softmax:
-        return torch.topk(torch.softmax(logits, dim=-1), k=topk, dim=-1)
-    top_logits, indices = torch.topk(logits, k=topk, dim=-1)
+        return select(torch.softmax(logits, dim=-1), topk)
+    top_logits, indices = select(logits, topk)
     return torch.softmax(top_logits, dim=-1), indices
 
 
@@ -68,6 +96,43 @@ def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 1000) -> 
         if converged:
             break
     return cost * row[:, None] * col[None, :]
+
+
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int,
+                       group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [T, E]`` -> the top-k values and indices ``[T, k]`` among the experts of each token's best
+    ``group_topk`` of ``num_groups`` groups (consecutive experts), a group scored by the sum of its two best
+    scores (DeepSeek-V3; one score when a group holds one expert)."""
+    tokens, experts = scores.shape
+    per_group = experts // num_groups
+    grouped = scores.view(tokens, num_groups, per_group)
+    group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(dim=-1)  # [T, G]
+    best_groups = group_scores.topk(group_topk, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    allowed = allowed.repeat_interleave(per_group, dim=1)  # [T, E]
+    return scores.masked_fill(~allowed, float("-inf")).topk(topk, dim=-1)
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """``[T, E]`` scores of every expert that sum to 1 per token: softmax, or sigmoids divided by their sum."""
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    scores = torch.sigmoid(logits)
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, num_sequences: int, topk: int) -> torch.Tensor:
+    """The Switch loss of each sequence, averaged over the ``num_sequences`` of the micro batch.
+
+    ``scores [T = s b, E]`` (rows sequence-position-major, as the MoE layer flattens ``[s, b, h]``; each row sums
+    to 1); ``f`` counts each sequence's own top-k choices (DeepSeek-V2/V3's sequence-wise balance loss)."""
+    tokens, experts = scores.shape
+    per_sequence = scores.view(tokens // num_sequences, num_sequences, experts)  # [s, b, E]
+    chosen = torch.zeros_like(per_sequence, dtype=torch.bool).scatter_(
+        2, per_sequence.topk(topk, dim=-1).indices, True)
+    fraction_routed = chosen.sum(dim=0).float() / (per_sequence.shape[0] * topk)  # [b, E]
+    mean_prob = per_sequence.mean(dim=0)  # [b, E]
+    return experts * (fraction_routed * mean_prob).sum(dim=-1).mean()
 
 
 def switch_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int,
@@ -113,18 +178,32 @@ def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity:
 
 
 class TopKRouter(nn.Module):
-    """Scores ``[T, h]`` tokens against E experts (weight ``[E, h]``, replicated over tp) and routes them."""
+    """Scores ``[T, h]`` tokens against E experts (weight ``[E, h]``, replicated over tp) and routes them.
+
+    With ``--moe-router-enable-expert-bias`` it holds ``expert_bias [E]`` fp32 (persistent: checkpoints save it)
+    and ``tokens_per_expert [E]`` (this step's counts on this rank, not saved; zero between steps).
+    """
 
     def __init__(self, config: ModelConfig, layer: int, seed: int, dtype: torch.dtype,
                  device: torch.device, cp_group: comm.Group = None) -> None:
         super().__init__()
         self.layer, self.cp_group = layer, cp_group
         self.num_experts, self.topk = config.num_experts, config.moe_router_topk
-        self.pre_softmax = config.moe_router_pre_softmax
+        self.pre_softmax, self.score_function = config.moe_router_pre_softmax, config.moe_router_score_function
+        self.num_groups, self.group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+        self.scaling_factor = config.moe_router_topk_scaling_factor
         self.balancing = config.moe_router_load_balancing_type
         self.aux_loss_coeff, self.z_loss_coeff = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
         self.capacity_factor = config.moe_expert_capacity_factor
         self.drop_policy, self.pad_to_capacity = config.moe_token_drop_policy, config.moe_pad_expert_input_to_capacity
+        self.bias_update_rate = config.moe_router_bias_update_rate
+        if config.moe_router_enable_expert_bias:
+            # fp32 whatever the model's dtype: bf16 cannot hold steps of 1e-3 on a bias grown past 0.25.
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+            self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32,
+                                                                  device=device), persistent=False)
+        else:
+            self.expert_bias = self.tokens_per_expert = None
         shape = (config.num_experts, config.hidden_size)
 
         def draw(out: torch.Tensor) -> None:
@@ -138,8 +217,32 @@ class TopKRouter(nn.Module):
         if not is_recomputing():  # a recomputed forward must not count its micro batch twice
             record_aux_loss(name, self.layer, value)
 
-    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens [T, h]`` -> ``probs [T, E]`` fp32 and ``routing_map [T, E]`` bool."""
+    def _topk(self, scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k values and indices ``[T, k]`` of ``scores [T, E]``, inside the token's best groups if grouped."""
+        if self.group_topk:
+            return group_limited_topk(scores, topk, self.num_groups, self.group_topk)
+        return plain_topk(scores, topk)
+
+    def choose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits [T, E]`` -> weights and expert indices ``[T, k]`` (score function, groups, bias, scaling)."""
+        if self.score_function == "softmax":
+            weights, indices = topk_softmax(logits, self.topk, self.pre_softmax, self._topk)
+        else:
+            scores = torch.sigmoid(logits)
+            if self.expert_bias is not None:  # the bias chooses; the weights stay the unbiased scores
+                _, indices = self._topk(scores.detach() + self.expert_bias, self.topk)
+                weights = scores.gather(1, indices)
+            else:
+                weights, indices = self._topk(scores, self.topk)
+            if self.topk > 1:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_factor is not None:
+            weights = weights * self.scaling_factor
+        return weights, indices
+
+    def forward(self, tokens: torch.Tensor, num_sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tokens [T, h]`` (``T = s * num_sequences``, position-major) -> ``probs [T, E]`` fp32 and
+        ``routing_map [T, E]`` bool."""
         logits = F.linear(tokens.float(), self.weight.float())  # routing decisions in fp32
         training = self.training
         if self.z_loss_coeff is not None and training:
@@ -155,11 +258,19 @@ class TopKRouter(nn.Module):
             activation = torch.sigmoid(logits) if self.topk == 1 else torch.softmax(logits, dim=-1)
             weights, indices = torch.topk(activation, k=self.topk, dim=-1)
         else:
-            weights, indices = topk_softmax(logits, self.topk, self.pre_softmax)
+            weights, indices = self.choose(logits)
         probs = torch.zeros_like(logits).scatter(1, indices, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, True)
-        if self.balancing == "aux_loss" and training:
-            loss = switch_load_balancing_loss(torch.softmax(logits, dim=-1), routing_map, self.topk, self.cp_group)
+        if self.tokens_per_expert is not None and training and not is_recomputing():
+            # The router's choices, before capacity drops any (padding to capacity would even them out).
+            self.tokens_per_expert += routing_map.sum(dim=0)
+        if self.balancing in ("aux_loss", "seq_aux_loss") and training:
+            scores = scores_for_aux_loss(logits, self.score_function)
+            if self.balancing == "aux_loss":
+                loss_map = torch.zeros_like(routing_map).scatter_(1, scores.topk(self.topk, dim=-1).indices, True)
+                loss = switch_load_balancing_loss(scores, loss_map, self.topk, self.cp_group)
+            else:
+                loss = sequence_load_balancing_loss(scores, num_sequences, self.topk)
             self._record("load_balancing_loss", loss)
             if self.aux_loss_coeff > 0:
                 probs = attach_aux_loss(probs, self.aux_loss_coeff * loss)
@@ -168,3 +279,19 @@ class TopKRouter(nn.Module):
             probs, routing_map = drop_over_capacity(probs, routing_map, capacity, self.drop_policy,
                                                     self.pad_to_capacity)
         return probs, routing_map
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Move ``expert_bias`` by the update rate towards the experts below the mean of ``tokens_per_expert [E]``
+        (the step's counts summed over every rank that routed other tokens) and zero this rank's counter."""
+        offset = tokens_per_expert.mean() - tokens_per_expert
+        self.expert_bias += self.bias_update_rate * torch.sign(offset)
+        self.tokens_per_expert.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        if self.expert_bias is not None and prefix + "expert_bias" not in state_dict:
+            # A checkpoint trained without the bias (--finetune turning it on): start it at zero, report nothing.
+            state_dict = {**state_dict, prefix + "expert_bias": torch.zeros_like(self.expert_bias)}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
