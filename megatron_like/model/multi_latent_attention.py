@@ -126,7 +126,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_up = column(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), "kv_up")
         scaled_std = std / math.sqrt(2.0 * config.num_layers)  # GPT-2's, for projections into the residual stream
         self.proj = RowParallelLinear(
-            heads * self.v_dim, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std),
+            heads * self.v_dim, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
             name=f"{name}.proj", bias=False, sequence_parallel=sequence_parallel, dtype=dtype, device=ps.device,
             gemm_backend=config.cpu_gemm_backend)
 
