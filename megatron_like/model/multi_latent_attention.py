@@ -229,9 +229,14 @@ class MultiLatentAttention(nn.Module):
         q_latent = torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk)  # (b, np, s, r)
         new_entries = torch.cat([c_kv.transpose(0, 1), k_rope.squeeze(1)], dim=-1)  # (b, s, r + rope)
         entries, mask = inference_context.update_latent(self.layer, new_entries)  # (b, t, r + rope)
-        entries = entries.unsqueeze(1)  # one "head" shared by all: (b, 1, t, r + rope)
-        context_latent = F.scaled_dot_product_attention(
-            torch.cat([q_latent, q_rope], dim=-1), entries, entries[..., :self.kv_lora_rank], attn_mask=mask,
-            scale=self.softmax_scale, enable_gqa=True)  # (b, np, s, r)
-        context = torch.einsum("bhsr,hvr->bhsv", context_latent, w_uv)
+        t = entries.shape[1]
+        # Every head reads the same entries: fold the heads into the query rows, so both products are plain
+        # batched matmuls over the cache as stored (SDPA would widen it to np heads first).
+        queries = torch.cat([q_latent, q_rope], dim=-1).reshape(b, np_ * s, -1)  # (b, np s, r + rope)
+        scores = torch.bmm(queries, entries.transpose(1, 2)).view(b, np_, s, t) * self.softmax_scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(entries.dtype)
+        context_latent = torch.bmm(probs.view(b, np_ * s, t), entries[..., :self.kv_lora_rank])  # (b, np s, r)
+        context = torch.einsum("bhsr,hvr->bhsv", context_latent.view(b, np_, s, self.kv_lora_rank), w_uv)
         return self.merge_heads(context)
