@@ -46,16 +46,21 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              window_size="4,0", use_rope_scaling=True, rope_scaling_original_max_position_embeddings=16)
 """A Llama-style model: each tp=2 rank caches one key/value head for its two query heads; a sliding window of 5
 keys (the prompts plus 10 new tokens run past it) and Llama 3.1's RoPE scaling."""
+MLA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+           untie_embeddings_and_output_weights=True, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+           qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0,
+           original_max_position_embeddings=8)
+"""Multi-latent attention with YaRN: each tp=2 rank caches the whole latent and decodes its two heads from it."""
+FAMILIES = {"gpt": {}, "llama": LLAMA, "mla": MLA}
 
 
 @functools.cache
-def checkpoint_and_reference(tmp: str, llama: bool = False) -> tuple[str, dict]:
+def checkpoint_and_reference(tmp: str, family: str = "gpt") -> tuple[str, dict]:
     """A tp=2 checkpoint of a model with a large init (so tokens depend on attention) and its tp=1 outputs."""
     config = make_config(tp=2, pp=1)
     config.model.init_method_std = 0.3
-    if llama:
-        for name, value in LLAMA.items():
-            setattr(config.model, name, value)
+    for name, value in FAMILIES[family].items():
+        setattr(config.model, name, value)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=104, seed=2)
     write_checkpoint(tmp, config, gather_full_state([model]), config.padded_vocab_size(100))
@@ -70,12 +75,19 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved_llama(tmp_path_factory):
-    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_llama_ckpt")), llama=True)
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_llama_ckpt")), "llama")
 
 
-@pytest.mark.parametrize("tp,pp,llama", [(2, 1, False), (1, 2, False), (2, 1, True)], ids=["tp2", "pp2", "tp2-llama"])
-def test_parallel_generation_equals_single_process(request, tp, pp, llama):
-    checkpoint, reference = request.getfixturevalue("saved_llama" if llama else "saved")
+@pytest.fixture(scope="module")
+def saved_mla(tmp_path_factory):
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_mla_ckpt")), "mla")
+
+
+@pytest.mark.parametrize("tp,pp,fixture",
+                         [(2, 1, "saved"), (1, 2, "saved"), (2, 1, "saved_llama"), (2, 1, "saved_mla")],
+                         ids=["tp2", "pp2", "tp2-llama", "tp2-mla"])
+def test_parallel_generation_equals_single_process(request, tp, pp, fixture):
+    checkpoint, reference = request.getfixturevalue(fixture)
     results = run_distributed(parallel_worker, tp * pp, tp, pp, checkpoint, timeout=120)
     for rank_result in results:  # every rank holds the same answer, the single process's when seeded
         assert rank_result == results[0]
