@@ -195,3 +195,12 @@ def test_latent_cache_holds_the_latent_and_the_rope_slice_per_token() -> None:
 def test_mla_refuses_what_it_does_not_do_in_one_line(flags: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         dataclasses.replace(MLA, **flags).validate()
+
+
+def test_selective_recompute_reruns_the_mla_core_in_backward() -> None:
+    attention = module(dataclasses.replace(MLA, recompute_granularity="selective")).train()
+    core, calls = attention.core_attention, []
+    attention.core_attention = lambda *tensors: calls.append(1) or core(*tensors)
+    x = torch.randn(SEQ, 2, HIDDEN, dtype=torch.float64, requires_grad=True)
+    attention(x).sum().backward()
+    assert len(calls) == 2  # the forward, then its re-run for the backward
