@@ -209,7 +209,8 @@ class MultiLatentAttention(nn.Module):
         With ``inference_context.cache_latent`` (the default) the cache stores ``[c_kv | rope(k_rope)]``
         ``[b, t, kv_lora_rank + rope]`` per layer and attention runs in the latent space: ``q_nope W_uk`` (the
         key half of ``W_kv_up``, absorbed into the query) scores against ``c_kv``, the context ``probs c_kv`` is
-        taken back to values by ``W_uv``. Otherwise full keys and values are cached (the reference path).
+        taken back to values by ``W_uv`` (a prefill of several tokens up-projects the entries instead). Otherwise
+        full keys and values are cached (the reference path).
         """
         s = x.shape[0]
         tables = inference_context.rotary_tables(s, self.rope_dim, self.rotary_base, x.device, self.rope_scaling)
@@ -230,6 +231,8 @@ class MultiLatentAttention(nn.Module):
         new_entries = torch.cat([c_kv.transpose(0, 1), k_rope.squeeze(1)], dim=-1)  # (b, s, r + rope)
         entries, mask = inference_context.update_latent(self.layer, new_entries)  # (b, t, r + rope)
         t = entries.shape[1]
+        if s > 1:  # prefill: many queries share each entry, so expanding the entries once costs less than absorbing
+            return self.expanded_attention(torch.cat([q_nope, q_rope], dim=-1), entries, mask)
         # Every head reads the same entries: fold the heads into the query rows, so both products are plain
         # batched matmuls over the cache as stored (SDPA would widen it to np heads first).
         queries = torch.cat([q_latent, q_rope], dim=-1).reshape(b, np_ * s, -1)  # (b, np s, r + rope)
@@ -239,4 +242,15 @@ class MultiLatentAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(entries.dtype)
         context_latent = torch.bmm(probs.view(b, np_ * s, t), entries[..., :self.kv_lora_rank])  # (b, np s, r)
         context = torch.einsum("bhsr,hvr->bhsv", context_latent.view(b, np_, s, self.kv_lora_rank), w_uv)
+        return self.merge_heads(context)
+
+    def expanded_attention(self, q: torch.Tensor, entries: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention over latent cache entries ``[b, t, r + rope]`` up-projected to full keys and values:
+        q ``[b, np, s, nope + rope]`` (rope slice rotated) -> ``[s, b, np * v]``."""
+        b, t, _ = entries.shape
+        c_kv, k_rope = entries.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = F.linear(c_kv, self.kv_up.weight).view(b, t, self.heads_per_rank, self.nope_dim + self.v_dim)
+        k_nope, v = kv.permute(0, 2, 1, 3).split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(b, self.heads_per_rank, t, self.rope_dim)], dim=-1)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         return self.merge_heads(context)
