@@ -23,6 +23,8 @@ from megatron_like.config.fields import (
 NEEDS_EXPERTS = Requires("num_experts")
 NEEDS_ROPE = Requires("position_embedding_type", "rope")
 NEEDS_ROPE_SCALING = Requires("use_rope_scaling")
+NEEDS_MLA = Requires("multi_latent_attention")
+NEEDS_YARN = Requires("rope_type", "yarn")
 # Why a field is not compared with a checkpoint (``fields.NotCompared``):
 SAME_MATH = "an implementation choice: every choice computes the same function"
 FUSED = "a fused kernel of the same formula"
@@ -137,6 +139,41 @@ class ModelConfig:
     """Quantization-aware training: fake int8 quantization (per-channel weights, moving-average per-tensor
     activations, straight-through gradients) in every transformer linear; export with
     megatron_like.quantization.export."""
+    # ---- multi-latent attention (DeepSeek-V2/V3; docs/models.md, model/multi_latent_attention.py) ----
+    multi_latent_attention: Annotated[bool, MUST_MATCH, NEEDS_ROPE, Requires("disable_bias_linear")] = False
+    """Multi-latent attention (MLA) instead of multi-head attention: queries and keys/values through low-rank
+    latents, RoPE on a separate slice of each head shared by all heads for keys (DeepSeek-V2/V3)."""
+    q_lora_rank: Annotated[int | None, MUST_MATCH, POSITIVE, NEEDS_MLA] = None
+    """With MLA: rank of the query latent (DeepSeek-V3: 1536; RMSNorm on the latent); None: queries through one
+    plain projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: Annotated[int, MUST_MATCH, POSITIVE, NEEDS_MLA] = 32
+    """With MLA: rank of the key/value latent, what generation caches per token (DeepSeek-V3: 512)."""
+    qk_head_dim: Annotated[int, MUST_MATCH, POSITIVE, NEEDS_MLA] = 128
+    """With MLA: per-head query/key dimensions without positions (DeepSeek-V3: 128)."""
+    qk_pos_emb_head_dim: Annotated[int, MUST_MATCH, POSITIVE, NEEDS_MLA] = 64
+    """With MLA: per-head query/key dimensions that RoPE rotates; the key's is one slice shared by all heads
+    (DeepSeek-V3: 64)."""
+    v_head_dim: Annotated[int, MUST_MATCH, POSITIVE, NEEDS_MLA] = 128
+    """With MLA: per-head value dimensions (DeepSeek-V3: 128)."""
+    rope_type: Annotated[Literal["rope", "yarn"], FINETUNE_MAY_CHANGE, NEEDS_MLA] = "rope"
+    """With MLA: 'rope' (plain rotary, or --use-rope-scaling's), or 'yarn': YaRN scaling (Peng et al. 2023) of the
+    rotary frequencies with its attention-scale correction (mscale)."""
+    rotary_scaling_factor: Annotated[float, FINETUNE_MAY_CHANGE, Range(1), NEEDS_YARN] = 40.0
+    """With --rope-type yarn: the context extension factor (DeepSeek-V3: 40)."""
+    original_max_position_embeddings: Annotated[int, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_YARN] = 4096
+    """With --rope-type yarn: the pretraining context the factor stretches (DeepSeek-V3: 4096)."""
+    beta_fast: Annotated[float, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_YARN] = 32.0
+    """With --rope-type yarn: frequencies turning more than this many times over the original context keep
+    their value."""
+    beta_slow: Annotated[float, FINETUNE_MAY_CHANGE, POSITIVE, NEEDS_YARN] = 1.0
+    """With --rope-type yarn: frequencies turning fewer times than this are divided by the factor (between the
+    two: a linear ramp)."""
+    mscale: Annotated[float, FINETUNE_MAY_CHANGE, NON_NEGATIVE, NEEDS_YARN] = 1.0
+    """With --rope-type yarn: the rotary tables are multiplied by m(mscale) / m(mscale_all_dim), where
+    m(x) = 0.1 x ln(factor) + 1."""
+    mscale_all_dim: Annotated[float, FINETUNE_MAY_CHANGE, NON_NEGATIVE, NEEDS_YARN] = 0.0
+    """With --rope-type yarn: the softmax scale is multiplied by m(mscale_all_dim)^2 (DeepSeek-V3: 1.0; 0: no
+    correction)."""
     # ---- mixture of experts (docs/moe.md; expert parallelism is --expert-model-parallel-size) ----
     num_experts: Annotated[int | None, MUST_MATCH, POSITIVE] = None
     """Experts of each MoE layer; without it every MLP is dense."""
@@ -235,6 +272,7 @@ class ModelConfig:
                 "rotated dimensions; it must be a positive even number",
             )
         self.validate_rope_scaling()
+        self.validate_mla()
         parse_window_size(self.window_size)
         if self.group_query_attention:
             _require(
@@ -255,6 +293,25 @@ class ModelConfig:
             _require(self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
                      f"--rope-scaling-low-freq-factor {self.rope_scaling_low_freq_factor} must be below "
                      f"--rope-scaling-high-freq-factor {self.rope_scaling_high_freq_factor}")
+
+    def validate_mla(self) -> None:
+        """Rules of --multi-latent-attention (which flags it needs are declared on the fields)."""
+        if not self.multi_latent_attention:
+            return
+        _require(self.qk_pos_emb_head_dim % 2 == 0,
+                 f"--qk-pos-emb-head-dim {self.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+        _require(self.rotary_percent == 1.0, "--multi-latent-attention rotates the whole --qk-pos-emb-head-dim "
+                 "slice: leave --rotary-percent at 1")
+        _require(not self.group_query_attention, "--multi-latent-attention shares one latent between all heads: "
+                 "drop --group-query-attention")
+        _require(self.window_size is None, "--multi-latent-attention has no sliding window: drop --window-size")
+        _require(self.attention_core == "sdpa", "--multi-latent-attention runs on --attention-backend sdpa")
+        _require(not self.qat, "--qat fake-quantizes the tensor-parallel linears only; --multi-latent-attention's "
+                 "down-projections are not: drop --qat")
+        _require(not (self.rope_type == "yarn" and (self.use_rope_scaling
+                                                     or self.rotary_seq_len_interpolation_factor is not None)),
+                 "--rope-type yarn is a RoPE scaling of its own: drop --use-rope-scaling and "
+                 "--rotary-seq-len-interpolation-factor")
 
     def validate_moe(self) -> None:
         """Rules of the mixture-of-experts flags that need no layout (the layout rules are in Config.validate)."""

@@ -60,6 +60,9 @@ class GenerationParams:
     """Seed of the sampling generator (every rank uses the same one)."""
     use_cache: bool = True
     """Reuse keys and values of earlier positions; False recomputes the whole sequence each step."""
+    cache_latent: bool = True
+    """Multi-latent attention layers cache their compressed latent and decode with absorbed up-projections;
+    False: they cache full keys and values (the reference path)."""
 
     def validate(self) -> GenerationParams:
         """Raise ValueError naming the first invalid field."""
@@ -157,9 +160,9 @@ class _Batch:
     """Left-padded token buffer ``[b, max_length]`` with positions and the KV cache of one generation."""
 
     def __init__(self, runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 pad_id: int, use_cache: bool) -> None:
+                 pad_id: int, use_cache: bool, cache_latent: bool = True) -> None:
         device = runner.ps.device
-        self.runner, self.use_cache = runner, use_cache
+        self.runner, self.use_cache, self.cache_latent = runner, use_cache, cache_latent
         self.prompt_length = max(len(p) for p in prompts)
         self.max_length = self.prompt_length + max_new_tokens
         if self.max_length > runner.max_positions:
@@ -177,13 +180,13 @@ class _Batch:
             valid[row, :pad] = False
         self.positions = (valid.long().cumsum(1) - 1).clamp(min=0)
         self.valid = None if bool(valid.all()) else valid
-        self.cache = KVCache(b, self.max_length, self.valid)
+        self.cache = KVCache(b, self.max_length, self.valid, cache_latent)
         self.filled = 0  # columns whose keys/values are in the cache
 
     def next_logits(self, length: int) -> torch.Tensor:
         """Logits ``[b, vocab]`` of the token at column ``length`` given columns ``[0, length)``."""
         if not self.use_cache:  # recompute everything: the reference the cache must agree with
-            self.cache, self.filled = KVCache(self.tokens.shape[0], self.max_length, self.valid), 0
+            self.cache, self.filled = KVCache(self.tokens.shape[0], self.max_length, self.valid, self.cache_latent), 0
         start, self.filled = self.filled, length
         return self.runner(self.tokens[:, start:length], self.positions[:, start:length], self.cache)
 
@@ -254,7 +257,8 @@ def _forbid_eod(logits: torch.Tensor, eod: int | None, step: int, min_new_tokens
 def _greedy_or_sample(runner: ModelRunner, prompts: Sequence[Sequence[int]], params: GenerationParams,
                       eod: int | None) -> list[Generation]:
     """One Generation per row of ``prompts`` (already repeated for num_return_sequences)."""
-    batch = _Batch(runner, prompts, params.max_new_tokens, eod if eod is not None else 0, params.use_cache)
+    batch = _Batch(runner, prompts, params.max_new_tokens, eod if eod is not None else 0, params.use_cache,
+                   params.cache_latent)
     b, start = len(prompts), batch.prompt_length
     generator = None
     if params.do_sample:
@@ -298,7 +302,7 @@ def _beam_search(runner: ModelRunner, prompts: Sequence[Sequence[int]], params: 
     nb, max_new, lp = params.num_beams, params.max_new_tokens, params.length_penalty
     n_prompts, device = len(prompts), runner.ps.device
     batch = _Batch(runner, [p for p in prompts for _ in range(nb)], max_new, eod if eod is not None else 0,
-                   params.use_cache)
+                   params.use_cache, params.cache_latent)
     start, vocab = batch.prompt_length, runner.vocab_size
     keep = 2 * nb  # candidates per prompt: enough to still have nb running ones if nb of them end
     in_top_nb = torch.arange(keep, device=device) < nb

@@ -13,6 +13,11 @@ tables of all ``max_length`` columns (sliced per step; rotary angles are element
 the slice equals tables computed for the step's positions alone). With a sliding window (``--window-size``)
 the mask also keeps each query off the keys more than ``window - 1`` columns before it, cached ones included
 (``model/attention_mask.py``); the buffers still hold every column.
+
+Multi-latent attention layers (``--multi-latent-attention``) store instead one ``[b, max_length,
+kv_lora_rank + qk_pos_emb_head_dim]`` buffer: the normalized kv latent and the rotated key slice every head
+shares (``update_latent``), which their absorbed decode attends over (``model/multi_latent_attention.py``);
+``cache_latent=False`` makes them cache full keys and values like other layers.
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ class KVCache:
         valid: bool ``[b, max_length]``, False at left-padding columns; None = no padding.
     """
 
-    def __init__(self, batch_size: int, max_length: int, valid: torch.Tensor | None = None) -> None:
+    def __init__(self, batch_size: int, max_length: int, valid: torch.Tensor | None = None,
+                 cache_latent: bool = True) -> None:
         self.batch_size, self.max_length = batch_size, max_length
         self.valid = valid
+        self.cache_latent = cache_latent
+        """Multi-latent attention layers cache their compressed latent (``update_latent``); False: full keys
+        and values like every other layer (the reference the latent path is tested against)."""
+        self.latents: dict[int, torch.Tensor] = {}
         self.offset = 0
         """Columns already filled; the next forward writes its tokens from here."""
         self.keys: dict[int, torch.Tensor] = {}
@@ -53,11 +63,30 @@ class KVCache:
         if layer not in self.keys:
             shape = (b, heads, self.max_length, head_dim)
             self.keys[layer] = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.values[layer] = torch.empty(shape, dtype=v.dtype, device=v.device)
+            # Multi-latent attention's values are narrower than its keys.
+            self.values[layer] = torch.empty(shape[:3] + v.shape[3:], dtype=v.dtype, device=v.device)
         end = self.offset + s
         self.keys[layer][:, :, self.offset:end] = k
         self.values[layer][:, :, self.offset:end] = v
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end], self.attention_mask(s, k.device, window)
+
+    def update_latent(self, layer: int, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store this step's multi-latent attention entries ``[b, s, kv_lora_rank + rope]`` (the normalized kv
+        latent and the rotated shared key slice) for ``layer``; return every cached entry ``[b, t, ...]`` and the
+        attention mask ``[b, 1, s, t]`` (None: attend to everything), as ``update_kv``."""
+        b, s, width = entries.shape
+        if self.offset + s > self.max_length:
+            raise ValueError(f"KV cache of {self.max_length} positions cannot take {self.offset + s}")
+        if layer not in self.latents:
+            self.latents[layer] = torch.empty(b, self.max_length, width, dtype=entries.dtype, device=entries.device)
+        end = self.offset + s
+        self.latents[layer][:, self.offset:end] = entries
+        return self.latents[layer][:, :end], self.attention_mask(s, entries.device)
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes over all layers of this rank (keys, values and latents)."""
+        buffers = [*self.keys.values(), *self.values.values(), *self.latents.values()]
+        return sum(t.element_size() * t.numel() for t in buffers) // max(1, self.batch_size * self.max_length)
 
     def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device,
                       scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +126,8 @@ class KVCache:
         for layer in self.keys:
             self.keys[layer] = self.keys[layer].index_select(0, rows)
             self.values[layer] = self.values[layer].index_select(0, rows)
+        for layer in self.latents:
+            self.latents[layer] = self.latents[layer].index_select(0, rows)
         if self.valid is not None:
             self.valid = self.valid.index_select(0, rows)
         self._mask = None

@@ -329,7 +329,12 @@ class TransformerLayer(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = config.hidden_dropout
         self.ln1 = build_norm(config, sequence_parallel, dtype, ps.device)
-        self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
+        if config.multi_latent_attention:
+            from megatron_like.model.multi_latent_attention import MultiLatentAttention  # it imports this module's kin
+
+            self.attention = MultiLatentAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
+        else:
+            self.attention = SelfAttention(config, ps, layer, seed, sequence_parallel, dtype, causal)
         self.ln2 = build_norm(config, sequence_parallel, dtype, ps.device)
         if config.is_moe_layer(layer):
             from megatron_like.model.moe import MoELayer  # the MoE package imports MLP from here

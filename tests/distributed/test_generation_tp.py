@@ -51,6 +51,12 @@ QWEN3 = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              qk_layernorm=True, kv_channels=16)
 """The Llama-style model with Qwen3's QK-norm (weights drawn around 1) and heads of 16 features: each tp=2 rank
 normalizes its own query and key heads, the cached keys normalized and rotated once."""
+MLA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+           untie_embeddings_and_output_weights=True, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+           qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6, rope_type="yarn", rotary_scaling_factor=4.0,
+           original_max_position_embeddings=8)
+"""Multi-latent attention with YaRN: each tp=2 rank caches the whole latent and decodes its two heads from it."""
+FAMILIES = {"gpt": {}, "llama": LLAMA, "qwen3": QWEN3, "mla": MLA}
 
 
 @functools.cache
@@ -58,7 +64,7 @@ def checkpoint_and_reference(tmp: str, family: str = "gpt") -> tuple[str, dict]:
     """A tp=2 checkpoint of a model with a large init (so tokens depend on attention) and its tp=1 outputs."""
     config = make_config(tp=2, pp=1)
     config.model.init_method_std = 0.3
-    for name, value in {"gpt": {}, "llama": LLAMA, "qwen3": QWEN3}[family].items():
+    for name, value in FAMILIES[family].items():
         setattr(config.model, name, value)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=104, seed=2)
@@ -87,10 +93,17 @@ def saved_qwen3(tmp_path_factory):
     return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_qwen3_ckpt")), "qwen3")
 
 
-@pytest.mark.parametrize("tp,pp,family", [(2, 1, ""), (1, 2, ""), (2, 1, "_llama"), (2, 1, "_qwen3")],
-                         ids=["tp2", "pp2", "tp2-llama", "tp2-qwen3"])
-def test_parallel_generation_equals_single_process(request, tp, pp, family):
-    checkpoint, reference = request.getfixturevalue("saved" + family)
+@pytest.fixture(scope="module")
+def saved_mla(tmp_path_factory):
+    return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_mla_ckpt")), "mla")
+
+
+@pytest.mark.parametrize("tp,pp,fixture",
+                         [(2, 1, "saved"), (1, 2, "saved"), (2, 1, "saved_llama"), (2, 1, "saved_qwen3"),
+                          (2, 1, "saved_mla")],
+                         ids=["tp2", "pp2", "tp2-llama", "tp2-qwen3", "tp2-mla"])
+def test_parallel_generation_equals_single_process(request, tp, pp, fixture):
+    checkpoint, reference = request.getfixturevalue(fixture)
     results = run_distributed(parallel_worker, tp * pp, tp, pp, checkpoint, timeout=120)
     for rank_result in results:  # every rank holds the same answer, the single process's when seeded
         assert rank_result == results[0]

@@ -247,3 +247,28 @@ def test_moe_plan_counts_the_built_models_total_and_active_parameters():
         assert rank.expert_params == held
         dense = rank.params - rank.expert_params
         assert rank.optimizer_bytes == pytest.approx(8 * (dense / 2 + held / expert_dp), rel=1e-6)
+
+
+def test_mla_plan_counts_the_latent_projections_whole_on_every_tp_rank():
+    """Multi-latent attention's parameters by hand: at tp 2 a rank holds the down-projections and latent norms whole
+    (duplicated) and half of the up- and output projections."""
+    h, heads, q_rank, kv_rank, nope, pos, v = 64, 4, 24, 16, 8, 8, 12
+    flags = ["--num-layers", "2", "--hidden-size", str(h), "--num-attention-heads", str(heads), "--seq-length", "16",
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--mock-data", "--vocab-size", "128",
+             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "96",
+             "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--multi-latent-attention",
+             "--q-lora-rank", str(q_rank), "--kv-lora-rank", str(kv_rank), "--qk-head-dim", str(nope),
+             "--qk-pos-emb-head-dim", str(pos), "--v-head-dim", str(v)]
+    duplicated = h * q_rank + q_rank + h * (kv_rank + pos) + kv_rank
+    split = q_rank * heads * (nope + pos) + kv_rank * heads * (nope + v) + heads * v * h
+    mlp_and_norms = 3 * h * 96 + 2 * h
+    vocab = parse_config(flags, world_size=1).padded_vocab_size(128)
+    outside_layers = 2 * vocab * h + h  # embedding, output layer, final norm
+    tp1 = plan_run(parse_config(flags, world_size=1), vocab, device="cpu")
+    assert tp1.total_params == 2 * (duplicated + split + mlp_and_norms) + outside_layers
+    tp2_flags = flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    tp2_config = parse_config(tp2_flags, world_size=2)
+    tp2_vocab = tp2_config.padded_vocab_size(128)
+    tp2 = plan_run(tp2_config, tp2_vocab, device="cpu")
+    mlp_half = 3 * h * 96 // 2 + 2 * h
+    assert tp2.ranks[0].params == 2 * (duplicated + split // 2 + mlp_half) + tp2_vocab * h + h
