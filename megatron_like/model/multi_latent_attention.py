@@ -37,6 +37,7 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_apply_rotary
+from megatron_like.model.blockwise_attention import allowed_pairs
 from megatron_like.model.norms import RMSNorm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -182,25 +183,37 @@ class MultiLatentAttention(nn.Module):
         return context.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.v_dim)
 
     # ------------------------------------------------------------------ training
-    def core_attention(self, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T scale) v over the whole sequence: the ``split_heads`` inputs -> ``[s, b, np * v]``."""
+    def core_attention(self, q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor,
+                       document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(q k^T scale) v over the whole sequence: the ``split_heads`` inputs -> ``[s, b, np * v]``.
+
+        ``document_ids`` int64 ``[b, s]`` (packed documents): attention stays within equal ids, through a dense
+        ``[b, 1, s, s]`` mask of the allowed pairs (MLA's value heads differ in size from its query/key heads, which
+        the blockwise core does not take; the mask is exact, it just saves no compute)."""
         q, k, v = self.split_heads(q, kv, k_rope)
         dropout_p = self.attention_dropout if self.training else 0.0
+        mask = None
+        if document_ids is not None:
+            positions = torch.arange(q.shape[2], device=q.device)
+            mask = allowed_pairs(positions, positions, document_ids, document_ids, None, self.causal)
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
-            context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal,
-                                                     scale=self.softmax_scale)
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if mask is None else mask[:, None], dropout_p=dropout_p,
+                is_causal=self.causal and mask is None, scale=self.softmax_scale)
         return self.merge_heads(context)
 
-    def forward(self, x: torch.Tensor, inference_context=None) -> torch.Tensor:
-        """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation)."""
+    def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``[s, b, h]`` (or its sequence shard) -> same shape. ``inference_context``: KV cache (generation);
+        ``document_ids`` int64 ``[b, s]``: packed documents (attention stays within each), None for one sequence."""
         if inference_context is not None:
             return self.proj(self.cached_attention(x, inference_context))
         q = self.queries(x)
         c_kv, k_rope = self.latent(x)
         kv = self.kv_up(c_kv)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            return self.proj(checkpoint(self.core_attention, q, kv, k_rope))
-        return self.proj(self.core_attention(q, kv, k_rope))
+            return self.proj(checkpoint(self.core_attention, q, kv, k_rope, document_ids))
+        return self.proj(self.core_attention(q, kv, k_rope, document_ids))
 
     # ------------------------------------------------------------------ generation
     def cached_attention(self, x: torch.Tensor, inference_context) -> torch.Tensor:

@@ -20,6 +20,10 @@ from megatron_like.tensor_parallel.random import seed_everything
 VOCAB, EOD, S = 64, 63, 24
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
              num_query_groups=2, disable_bias_linear=True, untie_embeddings_and_output_weights=True)
+MLA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+           untie_embeddings_and_output_weights=True, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8,
+           qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6)
+FAMILIES = {"gpt": {}, "llama": LLAMA, "mla": MLA}
 
 
 def model_of(**overrides) -> GPTModel:
@@ -50,9 +54,9 @@ def separate_logits(model: GPTModel, tokens: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("family", ["gpt", "llama"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_packed_logits_equal_each_document_alone(family):
-    model = model_of(**(LLAMA if family == "llama" else {})).eval()
+    model = model_of(**FAMILIES[family]).eval()
     tokens = packed_batch()
     documents, _, positions = get_ltor_documents_and_position_ids(tokens, EOD, reset_position_ids=True,
                                                                   reset_attention_mask=True)
