@@ -20,6 +20,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config, DataConfig, parse_config_or_exit, print_once
 from megatron_like.data.masks import get_ltor_documents_and_position_ids
 from megatron_like.model import GPTModel
+from megatron_like.model.mtp import mtp_loss
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
@@ -70,8 +71,13 @@ def get_batch(data_iterator: Iterator | None, device: torch.device, eod_token: i
             "document_ids": document_ids}
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'."""
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
+              mtp_loss_scaling_factor: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'. With multi-token
+    prediction (``mtp_loss_scaling_factor`` given, ``per_token_loss [1 + D, b, s]``) the depths' losses are added
+    and logged as 'mtp_k loss' (megatron_like/model/mtp.py)."""
+    if mtp_loss_scaling_factor is not None:
+        return mtp_loss(loss_mask, per_token_loss, mtp_loss_scaling_factor)
     loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
     return loss, {"lm loss": loss.detach()}
 
@@ -81,9 +87,11 @@ def forward_step(data_iterator: Iterator | None, model: GPTModel, eod_token: int
     """Run one micro batch through ``model``; return its output and how to turn it into a loss (``eod_token``,
     ``data``: as in get_batch)."""
     batch = get_batch(data_iterator, model.ps.device, eod_token, data)
+    with_mtp = model.config.mtp_num_layers is not None
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                   document_ids=batch["document_ids"])
-    return output, functools.partial(loss_func, batch["loss_mask"])
+                   document_ids=batch["document_ids"], with_mtp=with_mtp)
+    factor = model.config.mtp_loss_scaling_factor if with_mtp else None
+    return output, functools.partial(loss_func, batch["loss_mask"], mtp_loss_scaling_factor=factor)
 
 
 def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:

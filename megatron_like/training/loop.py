@@ -63,6 +63,8 @@ class TrainingResult:
     optimizer: DistributedOptimizer | None = None
     moe_losses: list[dict[str, float]] = field(default_factory=list)
     """Each iteration's MoE router losses (load_balancing_loss, z_loss), as logged; empty without MoE."""
+    loss_stats: list[dict[str, float]] = field(default_factory=list)
+    """Each iteration's loss statistics as logged ('lm loss', 'mtp_1 loss', ...; last pipeline stage only)."""
 
 
 def check_supported(config: Config) -> None:
@@ -307,6 +309,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         result.iteration = iteration
         if losses:
             result.losses.append(main_loss(losses))
+            result.loss_stats.append(dict(losses))
         if step.moe_losses:
             result.moe_losses.append(step.moe_losses)
         result.grad_norms.append(float("nan") if grad_norm is None else grad_norm)

@@ -91,6 +91,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "skipped_iterations": result.skipped_iterations,
         "nan_iterations": result.nan_iterations,
         "moe_losses": result.moe_losses,
+        "loss_stats": result.loss_stats,
     }
 
 
@@ -128,7 +129,7 @@ def merge_ranks(results: list[dict]) -> dict:
                                   f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
     merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
               "copies": copies, "replica_mismatches": mismatches}
-    for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses"):
+    for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses", "loss_stats"):
         if key in results[-1]:
             merged[key] = results[-1][key]
     return merged
