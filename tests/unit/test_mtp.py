@@ -162,9 +162,10 @@ def test_a_separate_last_stage_gets_the_word_embedding_for_mtp(untied):
 
 
 def test_mtp_flags_parse_and_the_factor_needs_the_layers():
-    config = parse_config(["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"])
+    data = ["--mock-data", "--vocab-size", "64"]
+    config = parse_config(data + ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"])
     assert (config.model.mtp_num_layers, config.model.mtp_loss_scaling_factor) == (2, 0.3)
     with pytest.raises(ConfigError, match="--mtp-loss-scaling-factor 0.3 needs --mtp-num-layers"):
-        parse_config(["--mtp-loss-scaling-factor", "0.3"])
+        parse_config(data + ["--mtp-loss-scaling-factor", "0.3"])
     with pytest.raises(ConfigError, match="--mtp-num-layers 0 must be positive"):
-        parse_config(["--mtp-num-layers", "0"])
+        parse_config(data + ["--mtp-num-layers", "0"])
