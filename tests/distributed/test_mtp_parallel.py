@@ -11,10 +11,13 @@ all-reduce), else its weights and so the MTP losses drift from one process's.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 
+from megatron_like import collectives as comm
+from megatron_like.training.checkpointing import write_tracker
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
 from tests.distributed.harness import run_distributed
 
@@ -59,3 +62,57 @@ def test_mtp_reference_logs_each_depth_and_learns() -> None:
     assert [stats["lm loss"] for stats in run["loss_stats"]] == run["losses"]  # the LM loss is logged alone
     losses = mtp_losses(run)
     assert (losses[-1] < losses[0]).all()
+
+
+# ---------------------------------------------------------------- checkpoints
+SAVING = UNTIED + ["--pipeline-model-parallel-size", "2"]
+LOADING = {"torch_dist": UNTIED + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "torch": SAVING}
+
+
+def straight_then_resumed(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for ckpt_format, loading in LOADING.items():
+        directory = os.path.join(root, ckpt_format)
+        flags = MTP + ["--ckpt-format", ckpt_format, "--train-iters", "4"]
+        straight = train_gpt(rank, world_size, flags + SAVING + ["--save", directory, "--save-interval", "2"])
+        if rank == 0:  # the straight run also saved iteration 4: resume from 2
+            write_tracker(directory, 2)
+        comm.barrier()
+        out[ckpt_format] = {"straight": straight, "resumed": train_gpt(rank, world_size, flags + loading + [
+            "--load", directory])}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mtp_checkpoints")
+    results = run_distributed(straight_then_resumed, 2, str(root), timeout=900)
+    runs = {fmt: {kind: merge_ranks([r[fmt][kind] for r in results]) for kind in ("straight", "resumed")}
+            for fmt in LOADING}
+    return {"root": str(root), **runs}
+
+
+@pytest.mark.parametrize("ckpt_format", list(LOADING))
+def test_mtp_checkpoint_resumes_like_the_straight_run(checkpoint_runs, ckpt_format: str) -> None:
+    straight, resumed = checkpoint_runs[ckpt_format]["straight"], checkpoint_runs[ckpt_format]["resumed"]
+    assert len(straight["losses"]) == 4 and len(resumed["losses"]) == 2
+    straight = dict(straight, losses=straight["losses"][2:], grad_norms=straight["grad_norms"][2:],
+                    loss_stats=straight["loss_stats"][2:])
+    if ckpt_format == "torch":  # the same layout: bitwise
+        assert resumed["loss_stats"] == straight["loss_stats"]
+    torch.testing.assert_close(mtp_losses(resumed), mtp_losses(straight), rtol=1e-5, atol=0)
+    assert_same_training(straight, resumed)
+
+
+@pytest.mark.parametrize("ckpt_format", list(LOADING))
+def test_one_process_loads_the_mtp_checkpoint_for_generation(checkpoint_runs, ckpt_format: str) -> None:
+    from megatron_like.inference import load_inference_model
+    from megatron_like.parallel_state import ParallelState
+
+    loaded = load_inference_model(os.path.join(checkpoint_runs["root"], ckpt_format),
+                                  ParallelState.single_process(torch.device("cpu")), iteration=4, with_tokenizer=False)
+    params = checkpoint_runs[ckpt_format]["straight"]["params"]
+    named = dict(loaded.model[0].named_parameters())
+    assert named.keys() == params.keys() and "mtp.layers.1.eh_proj.weight" in named
+    for name, tensor in named.items():
+        torch.testing.assert_close(tensor, params[name], rtol=0, atol=0, msg=name)
