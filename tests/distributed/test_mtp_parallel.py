@@ -1,6 +1,7 @@
 """Multi-token prediction (two depths) trained through pretrain() equals the single-process run at tp2 with sequence
 parallelism, pp2 (1F1B; and interleaved with an untied output layer, where the last stage holds its own copy of the
-word embedding for MTP), dp2 ZeRO-3 with full recompute: the LM loss, each depth's logged 'mtp_k loss', grad norms
+word embedding for MTP), dp2 ZeRO-3 with full recompute, and pp2 in bf16 (against one bf16 process, at
+test_mixed_precision's tolerance): the LM loss, each depth's logged 'mtp_k loss', grad norms
 and the updated weights of every parameter (the MTP depths' included).
 
 The MTP depths sit on the last pipeline stage and look tokens up in the word embedding, which the first stage owns:
@@ -20,6 +21,7 @@ from megatron_like import collectives as comm
 from megatron_like.training.checkpointing import write_tracker
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_mixed_precision import assert_close_at_precision
 
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
@@ -29,12 +31,15 @@ CASES = {
     "untied-pp2-vp2": UNTIED + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-zero3-recompute-full": ["--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
                                  "uniform", "--recompute-num-layers", "1"],
+    "bf16-pp2": ["--bf16", "--pipeline-model-parallel-size", "2"],
 }
 
 
 @functools.cache
-def reference(untied: bool) -> dict:
-    return merge_ranks([train_gpt(0, 1, MTP + (UNTIED if untied else []))])
+def reference(kind: str = "tied") -> dict:
+    """The single-process run a case compares with: "tied" (the default flags), "untied" or "bf16"."""
+    extra = {"tied": [], "untied": UNTIED, "bf16": ["--bf16"]}[kind]
+    return merge_ranks([train_gpt(0, 1, MTP + extra)])
 
 
 @functools.cache
@@ -50,14 +55,19 @@ def mtp_losses(run: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_mtp_training_equals_single_process(name: str) -> None:
-    expected, run = reference(name.startswith("untied")), runs()[name]
+    run = runs()[name]
     assert "mtp.layers.1.transformer_layer.0.attention.qkv.weight" in run["params"]
+    if name.startswith("bf16"):  # bf16 rounds differently per layout: test_mixed_precision's tolerance
+        torch.testing.assert_close(mtp_losses(run), mtp_losses(reference("bf16")), rtol=1e-4, atol=0)
+        assert_close_at_precision(reference("bf16"), run, "bf16")
+        return
+    expected = reference("untied" if name.startswith("untied") else "tied")
     torch.testing.assert_close(mtp_losses(run), mtp_losses(expected), rtol=1e-5, atol=0)
     assert_same_training(expected, run)
 
 
 def test_mtp_reference_logs_each_depth_and_learns() -> None:
-    run = reference(False)
+    run = reference()
     assert all(sorted(stats) == ["lm loss", "mtp_1 loss", "mtp_2 loss"] for stats in run["loss_stats"])
     assert [stats["lm loss"] for stats in run["loss_stats"]] == run["losses"]  # the LM loss is logged alone
     losses = mtp_losses(run)
