@@ -169,3 +169,20 @@ def test_mtp_flags_parse_and_the_factor_needs_the_layers():
         parse_config(data + ["--mtp-loss-scaling-factor", "0.3"])
     with pytest.raises(ConfigError, match="--mtp-num-layers 0 must be positive"):
         parse_config(data + ["--mtp-num-layers", "0"])
+
+
+def test_the_planner_counts_the_mtp_depths():
+    """The plan of the last stage holds the depths' parameters (it builds the chunks) and their layers'
+    activations."""
+    from megatron_like.planning.activations import activation_bytes
+    from megatron_like.planning.simulator import count_stage_params
+
+    flags = ["--mock-data", "--vocab-size", "64", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+             "4", "--seq-length", "8", "--make-vocab-size-divisible-by", "8"]
+    with_mtp, plain = parse_config(flags + ["--mtp-num-layers", "2"]), parse_config(flags)
+    vocab = plain.padded_vocab_size(64)
+    model = GPTModel(with_mtp.model, ParallelState.single_process(torch.device("cpu")), vocab_size=vocab, seed=0)
+    depth_params = sum(p.numel() for p in model.mtp.parameters())
+    assert count_stage_params(with_mtp, vocab, 0) - count_stage_params(plain, vocab, 0) == depth_params
+    more, less = activation_bytes(with_mtp, 0, vocab, "cpu"), activation_bytes(plain, 0, vocab, "cpu")
+    assert more.layers_alive == less.layers_alive + 2 and more.total > less.total
