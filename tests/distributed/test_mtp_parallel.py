@@ -1,8 +1,8 @@
 """Multi-token prediction (two depths) trained through pretrain() equals the single-process run at tp2 with sequence
-parallelism, pp2 (1F1B; and interleaved with an untied output layer, where the last stage holds its own copy of the
-word embedding for MTP), dp2 ZeRO-3 with full recompute, and pp2 in bf16 (against one bf16 process, at
-test_mixed_precision's tolerance): the LM loss, each depth's logged 'mtp_k loss', grad norms
-and the updated weights of every parameter (the MTP depths' included).
+parallelism (and selective recompute), pp2 (1F1B; and interleaved with an untied output layer, where the last stage
+holds its own copy of the word embedding for MTP), dp2 ZeRO-3 with full recompute, and pp2 in bf16 (against one bf16
+process, at test_mixed_precision's tolerance): the LM loss, each depth's logged 'mtp_k loss', grad norms and the
+updated weights of every parameter (the MTP depths' included).
 
 The MTP depths sit on the last pipeline stage and look tokens up in the word embedding, which the first stage owns:
 with pp2 the last stage's copy must receive the same updates as the first stage's (the embedding group's gradient
@@ -26,7 +26,8 @@ from tests.distributed.test_mixed_precision import assert_close_at_precision
 MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 CASES = {
-    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "tp2-sp-recompute-selective": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--recompute-granularity", "selective"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "untied-pp2-vp2": UNTIED + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
     "dp2-zero3-recompute-full": ["--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
