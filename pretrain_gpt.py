@@ -21,6 +21,7 @@ from megatron_like.config import Config, DataConfig, parse_config_or_exit, print
 from megatron_like.data.masks import get_ltor_documents_and_position_ids
 from megatron_like.model import GPTModel
 from megatron_like.model.context_parallel import sequence_mean_loss, split_batch
+from megatron_like.model.mtp import mtp_loss
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
@@ -71,13 +72,17 @@ def get_batch(data_iterator: Iterator | None, device: torch.device, eod_token: i
             "document_ids": document_ids}
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor,
-              ps: ParallelState | None = None) -> tuple[torch.Tensor, dict]:
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, ps: ParallelState | None = None,
+              mtp_loss_scaling_factor: float | None = None) -> tuple[torch.Tensor, dict]:
     """Mean of the per-token loss ``[b, s]`` over unmasked tokens; the stat is logged as 'lm loss'.
 
     With context parallelism (``ps.cp_size > 1``) the mean is over the whole sequence, whose other tokens the other
-    cp ranks hold (``sequence_mean_loss``).
+    cp ranks hold (``sequence_mean_loss``). With multi-token prediction (``mtp_loss_scaling_factor`` given,
+    ``per_token_loss [1 + D, b, s]``) the depths' losses are added and logged as 'mtp_k loss'
+    (megatron_like/model/mtp.py; it runs without context parallelism).
     """
+    if mtp_loss_scaling_factor is not None:
+        return mtp_loss(loss_mask, per_token_loss, mtp_loss_scaling_factor)
     if ps is not None and ps.cp_size > 1:
         loss, reported = sequence_mean_loss(per_token_loss, loss_mask, ps)
         return loss, {"lm loss": reported}
@@ -93,9 +98,11 @@ def forward_step(data_iterator: Iterator | None, model: GPTModel, eod_token: int
     With context parallelism each cp rank keeps its two chunks of every ``[b, s]`` tensor (``split_batch``).
     """
     batch = split_batch(get_batch(data_iterator, model.ps.device, eod_token, data), model.ps)
+    with_mtp = model.config.mtp_num_layers is not None
     output = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                   document_ids=batch["document_ids"])
-    return output, functools.partial(loss_func, batch["loss_mask"], ps=model.ps)
+                   document_ids=batch["document_ids"], with_mtp=with_mtp)
+    factor = model.config.mtp_loss_scaling_factor if with_mtp else None
+    return output, functools.partial(loss_func, batch["loss_mask"], ps=model.ps, mtp_loss_scaling_factor=factor)
 
 
 def datasets_provider(config: Config, ps: ParallelState, num_samples: tuple[int, int, int]) -> tuple[Any, ...]:

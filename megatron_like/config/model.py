@@ -234,6 +234,14 @@ class ModelConfig:
     """Compute all local experts with one grouped GEMM (megatron_like.kernels.grouped_gemm) instead of a loop."""
     moe_shared_expert_intermediate_size: Annotated[int | None, MUST_MATCH, POSITIVE, NEEDS_EXPERTS] = None
     """Hidden size of the shared expert every token also passes through (DeepSeek/Qwen MoE); None: none."""
+    # ---- multi-token prediction (DeepSeek-V3; docs/models.md) ----
+    mtp_num_layers: Annotated[int | None, MUST_MATCH, POSITIVE] = None
+    """Multi-token prediction depths on the last pipeline stage: depth k (1..N) predicts token t+k+1 from depth
+    k-1's hidden state and the embedding of token t+k, with its own transformer layer and the model's embedding
+    and output layer. None: off."""
+    mtp_loss_scaling_factor: Annotated[float, MAY_CHANGE, NON_NEGATIVE, Requires("mtp_num_layers")] = 0.1
+    """Weight of the MTP losses: factor / --mtp-num-layers times the sum of the depths' losses is added to the LM
+    loss (Megatron-LM's default 0.1)."""
 
     def validate(self) -> None:
         """The rules between fields (each field's range and the flags it needs are declared on it: fields.py)."""
@@ -355,7 +363,8 @@ class ModelConfig:
         return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe_layer_pattern[layer]
+        """Whether global layer ``layer`` is MoE; indices from --num-layers on are MTP layers, which are dense."""
+        return layer < self.num_layers and self.moe_layer_pattern[layer]
 
     @property
     def moe_sinkhorn_routing(self) -> bool:

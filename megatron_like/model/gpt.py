@@ -12,6 +12,7 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_vocab_cross_entropy
+from megatron_like.model.mtp import MultiTokenPrediction
 from megatron_like.model.norms import build_norm
 from megatron_like.model.transformer import (
     TransformerLayer,
@@ -27,6 +28,7 @@ from megatron_like.tensor_parallel import (
     new_parameter,
     normal_init,
     vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
 )
 from megatron_like.tensor_parallel.initialization import draw_slice
 
@@ -125,16 +127,36 @@ class GPTModel(nn.Module):
             )
             if self.share_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True
+        # Multi-token prediction (model/mtp.py) on the last chunk; it looks tokens up in the word embedding. A
+        # separate last stage without a tied copy gets one, tied to the first stage's like the output layer's.
+        self.mtp = None
+        self.mtp_embedding = None
+        if post_process and config.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(config, ps, seed, sequence_parallel, dtype)
+            if not pre_process and not self.share_embeddings:
+                self.mtp_embedding = VocabParallelEmbedding(
+                    vocab_size, config.hidden_size, tp_group=ps.tp_group,
+                    init_method=normal_init(config.init_method_std), seed=seed, name=WORD_EMBEDDINGS, dtype=dtype,
+                    device=ps.device,
+                )
+                self.mtp_embedding.weight.shared_embedding = True
 
     def shared_embedding_weight(self) -> nn.Parameter | None:
-        """The weight tied across first and last stage held by this chunk (None if untied/absent)."""
-        if not self.share_embeddings:
+        """The weight tied across first and last stage held by this chunk (None if untied/absent): the word
+        embedding, its last-stage copy in the output layer (tied) or for multi-token prediction (untied)."""
+        if not (self.share_embeddings or self.config.mtp_num_layers):
             return None
         if self.pre_process:
             return self.embedding.word_embeddings.weight
         if self.post_process:
-            return self.output_layer.weight
+            return self.output_layer.weight if self.share_embeddings else self.mtp_embedding.weight
         return None
+
+    def word_embedding_weight(self) -> torch.Tensor:
+        """This chunk's ``[v / tp, h]`` word embedding rows: its own, or the last stage's tied copy."""
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight if self.share_embeddings else self.mtp_embedding.weight
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states ``[s, b, h]`` received from the previous pipeline stage (Megatron's hook)."""
@@ -148,6 +170,7 @@ class GPTModel(nn.Module):
         hidden_states: torch.Tensor | None = None,
         inference_context=None,
         document_ids: torch.Tensor | None = None,
+        with_mtp: bool = False,
     ) -> torch.Tensor:
         """Run this chunk.
 
@@ -162,9 +185,13 @@ class GPTModel(nn.Module):
                 last position only (``[b, 1, v / tp]``).
             document_ids: int64 ``[b, s]`` ids of the packed documents (``--reset-attention-mask``; every chunk):
                 attention stays within equal ids. None: each sample is one sequence.
+            with_mtp: with ``--mtp-num-layers`` and ``labels`` (last chunk): also run the multi-token prediction
+                depths (they need ``input_ids`` on the last chunk too). Off, they are skipped (generation,
+                evaluation of the next-token loss).
         Returns:
-            the per-token loss ``[b, s]`` (float32) on the last chunk when ``labels`` are given, its
-            logits ``[b, s, v / tp]`` otherwise, and the hidden states for the next stage elsewhere.
+            the per-token loss ``[b, s]`` (float32) on the last chunk when ``labels`` are given (``[1 + D, b, s]``
+            with ``with_mtp``: the LM loss then each MTP depth's, ``model/mtp.py``), its logits ``[b, s, v / tp]``
+            otherwise, and the hidden states for the next stage elsewhere.
         """
         if self.pre_process:
             hidden_states = self.embedding(input_ids, position_ids)
@@ -184,10 +211,24 @@ class GPTModel(nn.Module):
                 return hidden_states
 
         hidden_states = self.final_layernorm(hidden_states)
-        output_weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
-        logits = self.output_layer(hidden_states, weight=output_weight)  # (s, b, v / tp)
         if labels is None:
-            return logits.transpose(0, 1).contiguous()
+            return self.logits(hidden_states).transpose(0, 1).contiguous()
+        loss = self.per_token_loss(hidden_states, labels)
+        if not (with_mtp and self.mtp is not None):
+            return loss
+        if input_ids is None:
+            raise ValueError("multi-token prediction needs input_ids on the last chunk too")
+        mtp_losses = self.mtp(hidden_states, input_ids, labels, self.embed_for_mtp, self.per_token_loss, document_ids)
+        return torch.stack([loss, *mtp_losses])
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The output layer: normed ``[s, b, h]`` (or its sequence shard) -> ``[s, b, v / tp]``."""
+        output_weight = self.embedding.word_embeddings.weight if self.output_layer.weight is None else None
+        return self.output_layer(hidden_states, weight=output_weight)
+
+    def per_token_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross entropy ``[b, s]`` (float32) of the output layer's logits of ``hidden_states`` against ``labels``."""
+        logits = self.logits(hidden_states)  # (s, b, v / tp)
         labels = labels.transpose(0, 1)  # (s, b) like the logits
         if self.cross_entropy_fusion and self.ps.tp_group is None:
             # The csrc kernel keeps no softmax around and writes its gradient over the logits.
@@ -195,3 +236,10 @@ class GPTModel(nn.Module):
         else:
             loss = vocab_parallel_cross_entropy(logits, labels, self.ps.tp_group)
         return loss.transpose(0, 1)
+
+    def embed_for_mtp(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Word embeddings of ``token_ids [b, s]`` in the layers' layout ``[s, b, h]`` (``[s / tp, b, h]`` with
+        sequence parallelism), with the embedding dropout; no position embedding (model/mtp.py)."""
+        x = vocab_parallel_embedding(token_ids, self.word_embedding_weight(), self.ps.tp_group)
+        return embeddings_to_layers(x, self.ps.tp_group, self.sequence_parallel, self.config.hidden_dropout,
+                                    self.training)

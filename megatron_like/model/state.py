@@ -40,6 +40,9 @@ CHECKPOINT_FILE = "model_optim_rng.pt"
 VOCAB_PARAMS = (WORD_EMBEDDINGS + ".weight", "output_layer.weight")
 """Parameters whose first dimension is the padded vocabulary."""
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.\d+\.")
+MTP_EMBEDDING_COPY = "mtp_embedding.weight"
+"""The untied last stage's copy of the word embedding for multi-token prediction (never in a full state)."""
 
 
 class CheckpointLoadError(RuntimeError):
@@ -52,7 +55,7 @@ class CheckpointLoadError(RuntimeError):
 
 
 def _pattern(name: str) -> str:
-    return _LAYER.sub("layers.*.", name)
+    return _MTP_LAYER.sub("mtp.layers.*.", _LAYER.sub("layers.*.", name))
 
 
 @functools.cache
@@ -61,7 +64,7 @@ def _tiny_models() -> tuple[GPTModel, ...]:
     mixture-of-experts one with a shared expert (both with an untied output layer) and multi-latent attention ones
     with and without the query latent."""
     dense = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
-                        untie_embeddings_and_output_weights=True, qk_layernorm=True)
+                        untie_embeddings_and_output_weights=True, qk_layernorm=True, mtp_num_layers=1)
     moe = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
                       untie_embeddings_and_output_weights=True, num_experts=2, moe_router_topk=1,
                       moe_shared_expert_intermediate_size=8)
@@ -183,7 +186,8 @@ def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: r
                 ep_rank: int = 0) -> dict[str, torch.Tensor]:
     """The state dict of one GPT chunk (local layer names, this tp and ep rank's slices) cut from a full state.
 
-    A last chunk without the embedding gets ``output_layer.weight`` = the word embedding when tied.
+    A last chunk without the embedding gets ``output_layer.weight`` = the word embedding when tied (untied, with
+    multi-token prediction: its ``mtp_embedding.weight`` copy).
     """
     out: dict[str, torch.Tensor] = {}
     position = {g: i for i, g in enumerate(layers)}
@@ -198,7 +202,7 @@ def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: r
             if not pre_process:
                 continue
             local = name
-        elif name.startswith(("final_layernorm.", "output_layer.")):
+        elif name.startswith(("final_layernorm.", "output_layer.", "mtp.")):
             if not post_process:
                 continue
             local = name
@@ -208,9 +212,9 @@ def chunk_state(full: dict[str, torch.Tensor], config: ModelConfig, *, layers: r
             tensor = resize_vocab(tensor, padded_vocab_size)
         out[local] = split_tp(split_ep(tensor, name, ep_size, ep_rank), name, tp_size, tp_rank)
     tied = not config.untie_embeddings_and_output_weights
-    if post_process and tied and not pre_process:
-        word = resize_vocab(full[VOCAB_PARAMS[0]], padded_vocab_size)
-        out["output_layer.weight"] = split_tp(word, VOCAB_PARAMS[0], tp_size, tp_rank)
+    if post_process and not pre_process and (tied or config.mtp_num_layers):
+        word = split_tp(resize_vocab(full[VOCAB_PARAMS[0]], padded_vocab_size), VOCAB_PARAMS[0], tp_size, tp_rank)
+        out["output_layer.weight" if tied else MTP_EMBEDDING_COPY] = word
     return out
 
 
@@ -296,7 +300,10 @@ def load_full_state(root: str, iteration: int | None = None,
                 ep_chunks.append(_load(path)["model"])
             shards.append([merge_ep([chunks[v] for chunks in ep_chunks]) for v in range(vp)])
         for v in range(vp):
-            named = [to_global_names(chunks[v], chunk_layers(m.num_layers, pp, pp_rank, vp, v)) for chunks in shards]
+            # The last stage's embedding copy for MTP (untied) is the first stage's word embedding: not merged.
+            layers_here = chunk_layers(m.num_layers, pp, pp_rank, vp, v)
+            named = [{k: t for k, t in to_global_names(chunks[v], layers_here).items() if k != MTP_EMBEDDING_COPY}
+                     for chunks in shards]
             if layers is not None:
                 named = [{k: t for k, t in chunk.items() if _wanted(k, layers)} for chunk in named]
             full.update(merge_tp(named))

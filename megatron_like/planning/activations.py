@@ -65,8 +65,10 @@ the whole sequence's gathered K and V, ``2 (g / a) e s b h / tp``.
 
 The first stage adds the embedding output (and its dropout mask), the last stage the final LayerNorm
 input, the logits (e) and the cross entropy's fp32 exponentials ``[s, b, v / tp]``, alive for one micro
-batch and freed before the layers' backward starts. Recomputation needs workspace during backward: one
-re-run attention core (selective) or one re-created group of layers (full); the larger of the two
+batch and freed before the layers' backward starts. With ``--mtp-num-layers D`` the last stage holds D more
+layers per micro batch, each depth's norm inputs ``2e`` (split with sequence parallelism) and projection input
+``2e`` (whole), and D more logits buffers alive together with the main one. Recomputation needs workspace
+during backward: one re-run attention core (selective) or one re-created group of layers (full); the larger of the two
 transient amounts is added. ``block`` re-creates its first layers only after the chunk's kept layers freed
 theirs, so it needs workspace only when every layer of the chunk is recomputed.
 """
@@ -88,7 +90,8 @@ class ActivationBytes:
     layers_alive: float
     """Layer-micro-batches whose activations are kept at once (schedule and recompute)."""
     stage_extra: float
-    """Kept by the first stage's embedding for every micro batch alive."""
+    """Kept by the first stage's embedding for every micro batch alive (on the last stage: the multi-token
+    prediction depths' inputs)."""
     transient: float
     """The larger of the last stage's logits and cross entropy buffers (one micro batch, freed before the
     layers' backward) and the backward workspace (a recomputed attention core or layer group)."""
@@ -237,7 +240,12 @@ def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, devic
     embedding = 0.0
     if pp_rank == 0:
         embedding = (e + (1 if m.hidden_dropout > 0 else 0)) * s * b * h / sp_div * alive
-    logits = 0.0
+    logits, mtp_layers = 0.0, 0.0
     if pp_rank == pp - 1:
-        logits = e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp
-    return ActivationBytes(per_layer, alive * stage_layers, embedding, max(logits, workspace))
+        depths = m.mtp_num_layers or 0
+        # Multi-token prediction: each depth is one more layer of the last chunk, kept like the others, plus its
+        # two norm inputs and its projection's (gathered) 2h input; every depth's logits are alive at once.
+        mtp_layers = alive * depths
+        embedding += alive * depths * (2 * e / sp_div + 2 * e) * s * b * h
+        logits = (1 + depths) * (e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp)
+    return ActivationBytes(per_layer, alive * stage_layers + mtp_layers, embedding, max(logits, workspace))

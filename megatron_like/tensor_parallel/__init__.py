@@ -12,6 +12,7 @@ from megatron_like.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_replicated,
+    vocab_parallel_embedding,
     zeros_parameter,
 )
 from megatron_like.tensor_parallel.mappings import (
@@ -45,5 +46,6 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "seed_everything",
     "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
     "zeros_parameter",
 ]

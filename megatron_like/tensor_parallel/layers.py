@@ -221,9 +221,16 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is None:
-            return F.embedding(token_ids, self.weight)
-        outside = (token_ids < self.vocab_start) | (token_ids >= self.vocab_end)
-        local_ids = (token_ids - self.vocab_start).masked_fill(outside, 0)
-        partial = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_parallel_region(partial, self.tp_group)
+        return vocab_parallel_embedding(token_ids, self.weight, self.tp_group)
+
+
+def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, tp_group: Group) -> torch.Tensor:
+    """Look ids ``[b, s]`` up in this tp rank's rows ``[v / tp, h]`` of a vocabulary-split table -> ``[b, s, h]``,
+    summed over tp (any table split like VocabParallelEmbedding's: the last stage's tied copy too)."""
+    if tp_group is None:
+        return F.embedding(token_ids, weight)
+    vocab_start = comm.group_rank(tp_group) * weight.shape[0]
+    outside = (token_ids < vocab_start) | (token_ids >= vocab_start + weight.shape[0])
+    local_ids = (token_ids - vocab_start).masked_fill(outside, 0)
+    partial = F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tensor_parallel_region(partial, tp_group)

@@ -67,6 +67,8 @@ class TrainingResult:
     expert_biases: list[dict[int, torch.Tensor]] = field(default_factory=list)
     """Each iteration's expert biases after its update, ``{global layer: bias [E]}`` of this rank's MoE layers
     (--moe-router-enable-expert-bias; empty without it)."""
+    loss_stats: list[dict[str, float]] = field(default_factory=list)
+    """Each iteration's loss statistics as logged ('lm loss', 'mtp_1 loss', ...; last pipeline stage only)."""
 
 
 def check_supported(config: Config) -> None:
@@ -315,6 +317,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         result.iteration = iteration
         if losses:
             result.losses.append(main_loss(losses))
+            result.loss_stats.append(dict(losses))
         if step.moe_losses:
             result.moe_losses.append(step.moe_losses)
         if step.expert_biases:

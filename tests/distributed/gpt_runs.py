@@ -92,6 +92,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "nan_iterations": result.nan_iterations,
         "moe_losses": result.moe_losses,
         "expert_biases": result.expert_biases,
+        "loss_stats": result.loss_stats,
     }
 
 
@@ -130,7 +131,7 @@ def merge_ranks(results: list[dict]) -> dict:
     merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
               "copies": copies, "replica_mismatches": mismatches,
               "expert_biases": _merge_expert_biases(results, mismatches)}
-    for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses"):
+    for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses", "loss_stats"):
         if key in results[-1]:
             merged[key] = results[-1][key]
     return merged

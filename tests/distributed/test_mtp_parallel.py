@@ -1,0 +1,129 @@
+"""Multi-token prediction (two depths) trained through pretrain() equals the single-process run at tp2 with sequence
+parallelism (and selective recompute), pp2 (1F1B; and interleaved with an untied output layer, where the last stage
+holds its own copy of the word embedding for MTP), dp2 ZeRO-3 with full recompute, and pp2 in bf16 (against one bf16
+process, at test_mixed_precision's tolerance): the LM loss, each depth's logged 'mtp_k loss', grad norms and the
+updated weights of every parameter (the MTP depths' included).
+
+The MTP depths sit on the last pipeline stage and look tokens up in the word embedding, which the first stage owns:
+with pp2 the last stage's copy must receive the same updates as the first stage's (the embedding group's gradient
+all-reduce), else its weights and so the MTP losses drift from one process's.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from megatron_like import collectives as comm
+from megatron_like.training.checkpointing import write_tracker
+from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_mixed_precision import assert_close_at_precision
+
+MTP = ["--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
+CASES = {
+    "tp2-sp-recompute-selective": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   "--recompute-granularity", "selective"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "untied-pp2-vp2": UNTIED + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    "dp2-zero3-recompute-full": ["--zero-stage", "3", "--recompute-granularity", "full", "--recompute-method",
+                                 "uniform", "--recompute-num-layers", "1"],
+    "bf16-pp2": ["--bf16", "--pipeline-model-parallel-size", "2"],
+}
+
+
+@functools.cache
+def reference(kind: str = "tied") -> dict:
+    """The single-process run a case compares with: "tied" (the default flags), "untied" or "bf16"."""
+    extra = {"tied": [], "untied": UNTIED, "bf16": ["--bf16"]}[kind]
+    return merge_ranks([train_gpt(0, 1, MTP + extra)])
+
+
+@functools.cache
+def runs() -> dict[str, dict]:
+    per_rank = run_distributed(train_gpt_many, 2, [MTP + flags for flags in CASES.values()], timeout=900)
+    return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(CASES)}
+
+
+def mtp_losses(run: dict) -> torch.Tensor:
+    """``[iterations, 2]``: each iteration's logged 'mtp_1 loss' and 'mtp_2 loss'."""
+    return torch.tensor([[stats["mtp_1 loss"], stats["mtp_2 loss"]] for stats in run["loss_stats"]])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mtp_training_equals_single_process(name: str) -> None:
+    run = runs()[name]
+    assert "mtp.layers.1.transformer_layer.0.attention.qkv.weight" in run["params"]
+    if name.startswith("bf16"):  # bf16 rounds differently per layout: test_mixed_precision's tolerance
+        torch.testing.assert_close(mtp_losses(run), mtp_losses(reference("bf16")), rtol=1e-4, atol=0)
+        assert_close_at_precision(reference("bf16"), run, "bf16")
+        return
+    expected = reference("untied" if name.startswith("untied") else "tied")
+    torch.testing.assert_close(mtp_losses(run), mtp_losses(expected), rtol=1e-5, atol=0)
+    assert_same_training(expected, run)
+
+
+def test_mtp_reference_logs_each_depth_and_learns() -> None:
+    run = reference()
+    assert all(sorted(stats) == ["lm loss", "mtp_1 loss", "mtp_2 loss"] for stats in run["loss_stats"])
+    assert [stats["lm loss"] for stats in run["loss_stats"]] == run["losses"]  # the LM loss is logged alone
+    losses = mtp_losses(run)
+    assert (losses[-1] < losses[0]).all()
+
+
+# ---------------------------------------------------------------- checkpoints
+SAVING = UNTIED + ["--pipeline-model-parallel-size", "2"]
+LOADING = {"torch_dist": UNTIED + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "torch": SAVING}
+
+
+def straight_then_resumed(rank: int, world_size: int, root: str) -> dict:
+    out = {}
+    for ckpt_format, loading in LOADING.items():
+        directory = os.path.join(root, ckpt_format)
+        flags = MTP + ["--ckpt-format", ckpt_format, "--train-iters", "4"]
+        straight = train_gpt(rank, world_size, flags + SAVING + ["--save", directory, "--save-interval", "2"])
+        if rank == 0:  # the straight run also saved iteration 4: resume from 2
+            write_tracker(directory, 2)
+        comm.barrier()
+        out[ckpt_format] = {"straight": straight, "resumed": train_gpt(rank, world_size, flags + loading + [
+            "--load", directory])}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mtp_checkpoints")
+    results = run_distributed(straight_then_resumed, 2, str(root), timeout=900)
+    runs = {fmt: {kind: merge_ranks([r[fmt][kind] for r in results]) for kind in ("straight", "resumed")}
+            for fmt in LOADING}
+    return {"root": str(root), **runs}
+
+
+@pytest.mark.parametrize("ckpt_format", list(LOADING))
+def test_mtp_checkpoint_resumes_like_the_straight_run(checkpoint_runs, ckpt_format: str) -> None:
+    straight, resumed = checkpoint_runs[ckpt_format]["straight"], checkpoint_runs[ckpt_format]["resumed"]
+    assert len(straight["losses"]) == 4 and len(resumed["losses"]) == 2
+    straight = dict(straight, losses=straight["losses"][2:], grad_norms=straight["grad_norms"][2:],
+                    loss_stats=straight["loss_stats"][2:])
+    if ckpt_format == "torch":  # the same layout: bitwise
+        assert resumed["loss_stats"] == straight["loss_stats"]
+    torch.testing.assert_close(mtp_losses(resumed), mtp_losses(straight), rtol=1e-5, atol=0)
+    assert_same_training(straight, resumed)
+
+
+@pytest.mark.parametrize("ckpt_format", list(LOADING))
+def test_one_process_loads_the_mtp_checkpoint_for_generation(checkpoint_runs, ckpt_format: str) -> None:
+    from megatron_like.inference import load_inference_model
+    from megatron_like.parallel_state import ParallelState
+
+    loaded = load_inference_model(os.path.join(checkpoint_runs["root"], ckpt_format),
+                                  ParallelState.single_process(torch.device("cpu")), iteration=4, with_tokenizer=False)
+    params = checkpoint_runs[ckpt_format]["straight"]["params"]
+    named = dict(loaded.model[0].named_parameters())
+    assert named.keys() == params.keys() and "mtp.layers.1.eh_proj.weight" in named
+    for name, tensor in named.items():
+        torch.testing.assert_close(tensor, params[name], rtol=0, atol=0, msg=name)
