@@ -17,6 +17,7 @@ schedule, RNG (continue with ``--finetune`` or ``--no-load-optim``); docs/checkp
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 
@@ -35,12 +36,6 @@ from megatron_like.training import megatron_format as mf  # noqa: E402
 from megatron_like.training.checkpointing import CheckpointError  # noqa: E402
 
 
-def padded_rows(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's padded vocabulary: a multiple of ``--make-vocab-size-divisible-by * tp``."""
-    multiple = divisible_by * tp
-    return -(-vocab // multiple) * multiple
-
-
 def to_megatron(args: argparse.Namespace) -> None:
     config, full = load_full_state(args.load, args.iteration)
     p, m = config.parallel, config.model
@@ -50,7 +45,9 @@ def to_megatron(args: argparse.Namespace) -> None:
     if m.num_layers % pp:
         raise ValueError(f"--target-pipeline-model-parallel-size {pp} does not divide the {m.num_layers} layers")
     rows = full[VOCAB_PARAMS[0]].shape[0]
-    padded = padded_rows(m.vocab_size or rows, m.make_vocab_size_divisible_by, tp)
+    target = copy.deepcopy(config)  # Megatron-LM pads the vocabulary for the target tp
+    target.parallel.tensor_model_parallel_size = tp
+    padded = target.padded_vocab_size(m.vocab_size or rows)
     full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
     iteration = int(os.path.basename(checkpoint_iteration_dir(args.load, args.iteration))[len("iter_"):])
     per_layer = names.to_megatron_layers(full, m, args.layer_spec)

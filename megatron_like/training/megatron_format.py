@@ -195,7 +195,7 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
         out[prefix + rest] = names.split_tp_megatron(rest, tensor, m, tp, tp_rank)
     for layer in layers:
         out.update({f"decoder.layers.{layer - layers[0]}.{rest}": None for rest in _layer_extra_states(m, spec, layer)})
-    if last and m.untie_embeddings_and_output_weights:
+    if last:  # the output layer's module exists on the last stage, tied or not
         out["output_layer._extra_state"] = None
     if last and first is False and not m.untie_embeddings_and_output_weights:
         # Megatron-LM's last stage holds its own copy of the tied embedding as the output layer's weight
@@ -281,8 +281,7 @@ def extra_state_keys(model: ModelConfig, spec: str) -> list[str]:
         for rest in _layer_extra_states(model, spec, layer):
             keys.append(f"decoder.layers.{rest}/shard_{layer}_{model.num_layers}" if names.is_stacked(model)
                         else f"decoder.layers.{layer}.{rest}/shard_0_1")
-    if model.untie_embeddings_and_output_weights:
-        keys.append("output_layer._extra_state/shard_0_1")
+    keys.append("output_layer._extra_state/shard_0_1")
     return keys
 
 
