@@ -50,7 +50,7 @@ def to_megatron(args: argparse.Namespace) -> None:
     padded = target.padded_vocab_size(m.vocab_size or rows)
     full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
     iteration = int(os.path.basename(checkpoint_iteration_dir(args.load, args.iteration))[len("iter_"):])
-    per_layer = names.to_megatron_layers(full, m, args.layer_spec)
+    per_layer = names.to_megatron_layers(full, m, args.layer_spec, sharded=args.ckpt_format == "torch_dist")
     if args.ckpt_format == "torch":
         mf.save_legacy(args.save, iteration, config, per_layer, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec,
                        experts=args.moe_experts)

@@ -11,13 +11,13 @@ ours                                           Megatron-core
 =============================================  =====================================================================
 ``embedding.word_embeddings.weight [V, h]``    the same name
 ``embedding.position_embeddings.weight``       the same name (learned absolute positions)
-``layers.<i>.ln1.{weight,bias}``               ``decoder.layers.<i>.input_layernorm.*`` (local spec), or
-                                               ``...self_attention.linear_qkv.layer_norm_{weight,bias}`` (TE spec)
+``layers.<i>.ln1.{weight,bias}``               ``...self_attention.linear_qkv.layer_norm_{weight,bias}``; the
+                                               local spec's legacy files: ``decoder.layers.<i>.input_layernorm.*``
 ``layers.<i>.attention.qkv.{weight,bias}``     ``...self_attention.linear_qkv.*``: the same rows, grouped per query
                                                group ``[groups, heads/groups + 2, head_dim]`` on both sides
 ``layers.<i>.attention.proj.*``                ``...self_attention.linear_proj.*``
-``layers.<i>.ln2.*``                           ``...pre_mlp_layernorm.*``, or ``...mlp.linear_fc1.layer_norm_*``
-                                               (TE spec, dense MLP only: an MoE layer keeps ``pre_mlp_layernorm``)
+``layers.<i>.ln2.*``                           ``...mlp.linear_fc1.layer_norm_*``; ``...pre_mlp_layernorm.*`` in
+                                               the local spec's legacy files and the TE spec's MoE layers
 ``layers.<i>.mlp.fc1.*``                       ``...mlp.linear_fc1.*``; SwiGLU: ours interleaves rows (2j gate j,
                                                2j+1 up j), Megatron-core holds all gate rows, then all up rows
 ``layers.<i>.mlp.fc2.*``                       ``...mlp.linear_fc2.*``
@@ -74,13 +74,19 @@ def is_stacked(model: ModelConfig) -> bool:
     return model.num_experts is None or model.moe_layer_freq.strip() == "1"
 
 
-def _norm_names(model: ModelConfig, layer: int, spec: str) -> dict[str, str]:
-    """Ours -> Megatron-core for the two per-layer norms of ``layer`` under layer spec ``spec``."""
+def _norm_names(model: ModelConfig, layer: int, spec: str, sharded: bool) -> dict[str, str]:
+    """Ours -> Megatron-core for the two per-layer norms of ``layer`` under layer spec ``spec``: module names
+    (``sharded=False``, the legacy files) or sharded keys (torch_dist). The local spec's
+    ``sharded_state_dict_keys_map`` renames its ``input_layernorm.`` / ``pre_mlp_layernorm.`` to the fused
+    ``self_attention.linear_qkv.layer_norm_`` / ``mlp.linear_fc1.layer_norm_`` (MoE layers too); the TE spec fuses
+    both norms into the next linear, except an MoE layer's separate ``pre_mlp_layernorm``."""
     if spec not in SPECS:
         raise ValueError(f"layer spec {spec!r} is not one of {SPECS}")
     moe = model.num_experts is not None and model.is_moe_layer(layer)
-    ln1 = "self_attention.linear_qkv.layer_norm_" if spec == "te" else "input_layernorm."
-    ln2 = "mlp.linear_fc1.layer_norm_" if spec == "te" and not moe else "pre_mlp_layernorm."
+    fused_ln1 = spec == "te" or sharded
+    fused_ln2 = (spec == "te" and not moe) or (spec == "local" and sharded)
+    ln1 = "self_attention.linear_qkv.layer_norm_" if fused_ln1 else "input_layernorm."
+    ln2 = "mlp.linear_fc1.layer_norm_" if fused_ln2 else "pre_mlp_layernorm."
     return {f"ln1.{kind}": f"{ln1}{kind}" for kind in ("weight", "bias")} | {
         f"ln2.{kind}": f"{ln2}{kind}" for kind in ("weight", "bias")}
 
@@ -113,9 +119,10 @@ def _layer_to_megatron(rest: str, tensor: torch.Tensor, model: ModelConfig, name
     raise KeyError(f"parameter layers.*.{rest} has no Megatron-core name (not a GPT parameter of this codebase)")
 
 
-def to_megatron_layers(full: dict[str, torch.Tensor], model: ModelConfig, spec: str = "local"
-                       ) -> dict[str, torch.Tensor]:
-    """Megatron-core's tensors of our full state with per-layer names (``decoder.layers.<i>.``), contiguous."""
+def to_megatron_layers(full: dict[str, torch.Tensor], model: ModelConfig, spec: str = "local", *,
+                       sharded: bool) -> dict[str, torch.Tensor]:
+    """Megatron-core's tensors of our full state with per-layer names (``decoder.layers.<i>.``), contiguous:
+    its sharded keys (``sharded``, torch_dist) or its modules' state-dict names (legacy files)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in full.items():
         match = _LAYER.match(name)
@@ -125,7 +132,7 @@ def to_megatron_layers(full: dict[str, torch.Tensor], model: ModelConfig, spec: 
             out[_TOP[name]] = tensor
             continue
         layer = int(match.group(1))
-        key, value = _layer_to_megatron(match.group(2), tensor, model, _norm_names(model, layer, spec))
+        key, value = _layer_to_megatron(match.group(2), tensor, model, _norm_names(model, layer, spec, sharded))
         out[f"decoder.layers.{layer}.{key}"] = value
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -145,7 +152,8 @@ def from_megatron_layers(mstate: dict[str, torch.Tensor], model: ModelConfig) ->
             full[top[name]] = tensor
             continue
         layer, rest = int(match.group(1)), match.group(2)
-        norms = {v: k for spec in SPECS for k, v in _norm_names(model, layer, spec).items()}
+        norms = {v: k for spec in SPECS for sharded in (False, True)
+                 for k, v in _norm_names(model, layer, spec, sharded).items()}
         if rest in norms:
             ours = norms[rest]
         elif rest in gate_up:
@@ -195,7 +203,7 @@ def unstack_layers(mstate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def to_megatron_global(full: dict[str, torch.Tensor], model: ModelConfig, spec: str = "local"
                        ) -> dict[str, torch.Tensor]:
     """Megatron-core's global state (its ``torch_dist`` keys and shapes) of our full state."""
-    per_layer = to_megatron_layers(full, model, spec)
+    per_layer = to_megatron_layers(full, model, spec, sharded=True)
     return stack_layers(per_layer, model.num_layers) if is_stacked(model) else per_layer
 
 

@@ -292,7 +292,8 @@ def save_torch_dist(root: str, iteration: int, config: Config, mglobal: dict[str
 
     path = os.path.join(root, f"iter_{iteration:07d}")
     state: dict[str, Any] = dict(mglobal)
-    state.update({key: None for key in extra_state_keys(config.model, spec)})
+    # Megatron-core stores each ShardedObject as torch.save of the list of its local objects (strategies/torch.py)
+    state.update({key: [None] for key in extra_state_keys(config.model, spec)})
     write_global_state(path, state)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)

@@ -46,18 +46,19 @@ MODELS = {
                                         moe_layer_freq="2", moe_shared_expert_intermediate_size=8),
 }
 
-_NORMS = {"local": ("decoder.layers.input_layernorm.", "decoder.layers.pre_mlp_layernorm."),
-          "te": ("decoder.layers.self_attention.linear_qkv.layer_norm_", "decoder.layers.mlp.linear_fc1.layer_norm_")}
 # torch_dist keys and global shapes of megatron-core 0.16.1 (see the module docstring), per architecture and spec
 EXPECTED = {
     ("gpt2", "local"): {
         "embedding.word_embeddings.weight": (64, 16), "embedding.position_embeddings.weight": (16, 16),
-        "decoder.layers.input_layernorm.weight": (2, 16), "decoder.layers.input_layernorm.bias": (2, 16),
+        # the local spec's sharded_state_dict_keys_map: its input_layernorm / pre_mlp_layernorm under TE's names
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 16),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_bias": (2, 16),
         "decoder.layers.self_attention.linear_qkv.weight": (2, 48, 16),
         "decoder.layers.self_attention.linear_qkv.bias": (2, 48),
         "decoder.layers.self_attention.linear_proj.weight": (2, 16, 16),
         "decoder.layers.self_attention.linear_proj.bias": (2, 16),
-        "decoder.layers.pre_mlp_layernorm.weight": (2, 16), "decoder.layers.pre_mlp_layernorm.bias": (2, 16),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),
+        "decoder.layers.mlp.linear_fc1.layer_norm_bias": (2, 16),
         "decoder.layers.mlp.linear_fc1.weight": (2, 64, 16), "decoder.layers.mlp.linear_fc1.bias": (2, 64),
         "decoder.layers.mlp.linear_fc2.weight": (2, 16, 64), "decoder.layers.mlp.linear_fc2.bias": (2, 16),
         "decoder.final_layernorm.weight": (16,), "decoder.final_layernorm.bias": (16,),
@@ -74,10 +75,10 @@ EXPECTED = {
     },
     ("mixtral", "local"): {
         "embedding.word_embeddings.weight": (64, 16),
-        "decoder.layers.input_layernorm.weight": (2, 16),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 16),
         "decoder.layers.self_attention.linear_qkv.weight": (2, 32, 16),
         "decoder.layers.self_attention.linear_proj.weight": (2, 16, 16),
-        "decoder.layers.pre_mlp_layernorm.weight": (2, 16),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),  # the local spec maps it for MoE layers too
         "decoder.layers.mlp.router.weight": (2, 4, 16),
         "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 16, 16),  # [L, E, 2 F, h]
         "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 16, 8),  # [L, E, h, F]
@@ -119,6 +120,25 @@ def test_torch_dist_keys_and_shapes(kind, spec):
     assert {k: tuple(v.shape) for k, v in got.items()} == EXPECTED[kind, spec]
 
 
+# The legacy files hold the modules' own state-dict names: per spec, the norms of a dense and of an MoE layer
+LEGACY_NORMS = {
+    ("local", "dense"): ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("local", "moe"): ("input_layernorm.weight", "pre_mlp_layernorm.weight"),
+    ("te", "dense"): ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"),
+    ("te", "moe"): ("self_attention.linear_qkv.layer_norm_weight", "pre_mlp_layernorm.weight"),
+}
+
+
+@pytest.mark.parametrize("spec, layer_kind", list(LEGACY_NORMS))
+def test_legacy_norm_names(spec, layer_kind):
+    layer = 1 if layer_kind == "dense" else 0  # moe_every_2nd_shared: layer 0 MoE, layer 1 dense
+    got = names.to_megatron_layers(full_state_of("moe_every_2nd_shared"), MODELS["moe_every_2nd_shared"], spec,
+                                   sharded=False)
+    norms = sorted(k[len(f"decoder.layers.{layer}."):] for k in got
+                   if k.startswith(f"decoder.layers.{layer}.") and "norm" in k)
+    assert norms == sorted(LEGACY_NORMS[spec, layer_kind])
+
+
 def test_extra_state_keys():
     keys = mf.extra_state_keys(MODELS["llama"], "te")
     assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2" in keys
@@ -135,7 +155,7 @@ def test_qkv_rows_follow_megatron_core_split():
     """Megatron-core's SelfAttention views linear_qkv's output as [groups, (heads/groups + 2) * hd] and splits it
     [heads/groups * hd, hd, hd]: the same q, k, v as our HF converter takes from our rows."""
     full = full_state_of("llama")
-    qkv = names.to_megatron_layers(full, MODELS["llama"])["decoder.layers.0.self_attention.linear_qkv.weight"]
+    qkv = names.to_megatron_layers(full, MODELS["llama"], sharded=True)["decoder.layers.0.self_attention.linear_qkv.weight"]
     per_group = qkv.reshape(2, (2 + 2) * 4, 16)
     q, k, v = (t.reshape(-1, 16) for t in per_group.split([2 * 4, 4, 4], dim=1))
     for mine, theirs in zip(_qkv_to_hf(full["layers.0.attention.qkv.weight"], 4, 2), (q, k, v)):
@@ -147,7 +167,7 @@ def test_swiglu_gate_up_order_gives_our_mlp_output():
     equals our MLP's output (ours interleaves gate and up rows)."""
     model = GPTModel(MODELS["llama"], ParallelState.single_process(torch.device("cpu")), vocab_size=64, seed=0)
     mlp = model.layers[0].mlp
-    mega = names.to_megatron_layers(gather_full_state([model]), MODELS["llama"])
+    mega = names.to_megatron_layers(gather_full_state([model]), MODELS["llama"], sharded=True)
     fc1, fc2 = mega["decoder.layers.0.mlp.linear_fc1.weight"], mega["decoder.layers.0.mlp.linear_fc2.weight"]
     x = torch.randn(5, 1, 16, generator=torch.Generator().manual_seed(2))
     gate, up = (x @ fc1.T).chunk(2, dim=-1)
@@ -159,7 +179,7 @@ def test_expert_layout_matches_grouped_mlp_and_sequential_mlp():
     """Each expert's Megatron-core fc1 [2F, h] computes our expert's SwiGLU; GroupedMLP's legacy weight1 viewed as
     [E_local, h, -1] (its forward) is that fc1 transposed, at tp 2 per rank."""
     full = full_state_of("mixtral")
-    mega = names.to_megatron_layers(full, MODELS["mixtral"])
+    mega = names.to_megatron_layers(full, MODELS["mixtral"], sharded=True)
     fc1 = mega["decoder.layers.0." + names.EXPERT_FC1]
     fc2 = mega["decoder.layers.0." + names.EXPERT_FC2]
     ours1, ours2 = full["layers.0.mlp.experts.weight1"], full["layers.0.mlp.experts.weight2"]
