@@ -121,16 +121,12 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
 # ---------------------------------------------------------------- legacy torch format
 
 
-def _extra_state_names(model: ModelConfig, spec: str) -> list[str]:
-    """Per-layer ``<rest>._extra_state`` entries Megatron-core's linears (and TE's attention core) hold."""
-    rests = ["self_attention.linear_qkv", "self_attention.linear_proj"]
-    if spec == "te":
-        rests.append("self_attention.core_attention")
-    return [f"{r}._extra_state" for r in rests]
-
-
 def _layer_extra_states(model: ModelConfig, spec: str, layer: int) -> list[str]:
-    rests = _extra_state_names(model, spec)
+    """``<rest>._extra_state`` entries of layer ``layer``: Megatron-core's linears (and TE's attention core) hold one
+    each (None for the local spec's); its experts are not listed here."""
+    rests = ["self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state"]
+    if spec == "te":
+        rests.append("self_attention.core_attention._extra_state")
     if model.num_experts is None or not model.is_moe_layer(layer):
         rests += ["mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state"]
     elif model.moe_shared_expert_intermediate_size:
@@ -153,7 +149,8 @@ def _experts_to_legacy(layer_prefix: str, fc1: torch.Tensor, fc2: torch.Tensor, 
 
 
 def _sequential_experts(state: dict[str, Any], layer_prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """SequentialMLP's ``local_experts.<e>`` of one rank, stacked: ``(fc1 [E_local, F1_r, h], fc2 [E_local, h, F_r])``."""
+    """SequentialMLP's ``local_experts.<e>`` of one rank, stacked: ``(fc1 [E_local, F1_r, h], fc2 [E_local, h,
+    F_r])``."""
     fc1, fc2, e = [], [], 0
     while f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc1.weight" in state:
         fc1.append(state[f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc1.weight"])

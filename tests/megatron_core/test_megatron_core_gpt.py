@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_like.inference import load_inference_model
 from megatron_like.model import megatron_names as names
 from megatron_like.model.state import load_full_state
-from megatron_like.inference import load_inference_model
 from megatron_like.parallel_state import ParallelState
 from tests.distributed.harness import free_port
 from tests.unit.test_megatron_names import MODELS, _save_ours
@@ -94,7 +94,9 @@ def test_megatron_core_reads_our_export_and_we_read_its_save(tmp_path, megatron_
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(tmp_path / "mlm" / "iter_0000007"))
     model.load_state_dict(loaded, strict=False)
     ours = our_logits(str(tmp_path / "ours"))
-    torch.testing.assert_close(megatron_logits(model), ours, rtol=1e-5, atol=1e-5)
+    # fp32 rounding: 1e-5 with our pure-PyTorch fallbacks, up to 8e-5 on these logits with the compiled kernels
+    # (another summation order); a wrong layout (gate/up order, a norm left out) differs by O(1)
+    torch.testing.assert_close(megatron_logits(model), ours, rtol=2e-4, atol=2e-4)
 
     # Megatron-core's own weights (its module state dict) back through our reader of its names: our logits
     mstate = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

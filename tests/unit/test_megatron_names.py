@@ -29,7 +29,7 @@ from megatron_like.model.gpt import GPTModel
 from megatron_like.model.state import gather_full_state, load_full_state
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import megatron_format as mf
-from megatron_like.training.dist_checkpointing import save_full_state
+from megatron_like.training.dist_checkpointing import read_full_tensors, save_full_state
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
 import convert_megatron  # noqa: E402
@@ -147,15 +147,16 @@ def test_extra_state_keys():
     per_layer = mf.extra_state_keys(MODELS["moe_every_2nd_shared"], "local")
     assert "decoder.layers.1.mlp.linear_fc1._extra_state/shard_0_1" in per_layer
     assert "decoder.layers.0.mlp.shared_experts.linear_fc1._extra_state/shard_0_1" in per_layer
-    assert not any("core_attention" in k for k in per_layer)
-    assert "output_layer._extra_state/shard_0_1" in mf.extra_state_keys(MODELS["gpt2"], "local")  # tied too  # the local spec's attention core has no extra state
+    assert not any("core_attention" in k for k in per_layer)  # the local spec's attention core has none
+    assert "output_layer._extra_state/shard_0_1" in mf.extra_state_keys(MODELS["gpt2"], "local")  # tied too
 
 
 def test_qkv_rows_follow_megatron_core_split():
     """Megatron-core's SelfAttention views linear_qkv's output as [groups, (heads/groups + 2) * hd] and splits it
     [heads/groups * hd, hd, hd]: the same q, k, v as our HF converter takes from our rows."""
     full = full_state_of("llama")
-    qkv = names.to_megatron_layers(full, MODELS["llama"], sharded=True)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    mega = names.to_megatron_layers(full, MODELS["llama"], sharded=True)
+    qkv = mega["decoder.layers.0.self_attention.linear_qkv.weight"]
     per_group = qkv.reshape(2, (2 + 2) * 4, 16)
     q, k, v = (t.reshape(-1, 16) for t in per_group.split([2 * 4, 4, 4], dim=1))
     for mine, theirs in zip(_qkv_to_hf(full["layers.0.attention.qkv.weight"], 4, 2), (q, k, v)):
@@ -250,6 +251,9 @@ def test_round_trip_is_bit_identical(tmp_path, kind, fmt, spec, experts, tp, pp,
         assert (saved["args"].tensor_model_parallel_size, saved["args"].pipeline_model_parallel_size) == (tp, pp)
     else:
         assert (it_dir / "metadata.json").is_file() and (it_dir / "common.pt").is_file()
+        # Megatron-core keeps each ShardedObject as torch.save of the list of its objects: None for our linears
+        extra = read_full_tensors(str(tmp_path / "mlm"), ["output_layer._extra_state/shard_0_1"], 7)
+        assert extra == {"output_layer._extra_state/shard_0_1": [None]}
     convert_megatron.main(["--direction", "from-megatron", "--load", str(tmp_path / "mlm"), "--save",
                            str(tmp_path / "back")])
     config, back = load_full_state(str(tmp_path / "back"))
