@@ -47,7 +47,8 @@ SPECS = ("local", "te")
 """Megatron-core's layer specs: ``local`` (``get_gpt_layer_local_spec``: separate norm modules) and ``te``
 (``get_gpt_layer_with_transformer_engine_spec``: norms fused into the next linear)."""
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_MLAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+"""A per-layer Megatron-core name: (layer index, the rest)."""
 _TOP = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
         "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
         "final_layernorm.weight": "decoder.final_layernorm.weight",
@@ -145,7 +146,7 @@ def from_megatron_layers(mstate: dict[str, torch.Tensor], model: ModelConfig) ->
     gate_up = {v: k for k, v in _GATE_UP.items()}
     full: dict[str, torch.Tensor] = {}
     for name, tensor in mstate.items():
-        match = _MLAYER.match(name)
+        match = MEGATRON_LAYER.match(name)
         if match is None:
             if name not in top:
                 raise KeyError(f"Megatron-core tensor {name} has no counterpart here")
@@ -176,7 +177,7 @@ def stack_layers(mstate: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     rests: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor in mstate.items():
-        match = _MLAYER.match(name)
+        match = MEGATRON_LAYER.match(name)
         if match is None:
             out[name] = tensor
             continue
@@ -192,7 +193,7 @@ def unstack_layers(mstate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Stacked ``decoder.layers.<rest> [L, ...]`` -> per-layer names; per-layer keys pass unchanged."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in mstate.items():
-        if name.startswith("decoder.layers.") and not _MLAYER.match(name):
+        if name.startswith("decoder.layers.") and not MEGATRON_LAYER.match(name):
             rest = name[len("decoder.layers."):]
             out.update({f"decoder.layers.{i}.{rest}": t for i, t in enumerate(tensor.unbind(0))})
         else:

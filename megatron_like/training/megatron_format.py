@@ -170,7 +170,7 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
     first, last = pp_rank == 0, pp_rank == pp - 1
     out: dict[str, Any] = {}
     for name, tensor in per_layer.items():
-        match = names._MLAYER.match(name)
+        match = names.MEGATRON_LAYER.match(name)
         if match is None:
             if name.startswith("embedding.") and not first or not name.startswith("embedding.") and not last:
                 continue
@@ -238,7 +238,7 @@ def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig) -> di
             if name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
                 continue  # the last stage's copy of the tied embedding
             merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model)
-            match = names._MLAYER.match(name)
+            match = names.MEGATRON_LAYER.match(name)
             out[f"decoder.layers.{layers[int(match.group(1))]}.{match.group(2)}" if match else name] = merged
         for local, layer in enumerate(layers):
             if model.num_experts is None or not model.is_moe_layer(layer):
