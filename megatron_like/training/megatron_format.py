@@ -19,6 +19,7 @@ import argparse
 import enum
 import json
 import os
+import typing
 from typing import Any
 
 import torch
@@ -115,7 +116,20 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     for key, value in list(values.items()):
         if isinstance(value, (_MegatronEnum, enum.Enum)):
             values[key] = value.value
+    _check_choices(values)
     return ModelConfig(**values)
+
+
+def _check_choices(values: dict[str, Any]) -> None:
+    """Raise a one-line ValueError for a value outside its field's ``Literal`` choices (Megatron-LM has more:
+    ``seq_aux_loss``, ``flex``, ...); ``Config.validate`` leaves choices to the command-line parser."""
+    hints = typing.get_type_hints(ModelConfig, include_extras=True)
+    for key, value in values.items():
+        hint = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is typing.Annotated else hints[key]
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            raise ValueError(f"--{key.replace('_', '-')} {value} (from the checkpoint's args) is not implemented "
+                             f"here (choices: {choices})")
 
 
 # ---------------------------------------------------------------- legacy torch format

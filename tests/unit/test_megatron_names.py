@@ -288,3 +288,24 @@ def test_from_megatron_refuses_a_directory_of_something_else(tmp_path, capsys):
                                str(tmp_path / "y")])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not a Megatron-LM checkpoint" in err[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"virtual_pipeline_model_parallel_size": 2}, "was saved with virtual pipeline stages"),
+    ({"moe_router_load_balancing_type": "seq_aux_loss"}, "--moe-router-load-balancing-type"),
+])
+def test_from_megatron_refuses_what_it_cannot_hold_in_one_line(tmp_path, capsys, change, message):
+    _save_ours(tmp_path / "ours", "mixtral")
+    convert_megatron.main(["--direction", "to-megatron", "--load", str(tmp_path / "ours"), "--save",
+                           str(tmp_path / "mlm"), "--ckpt-format", "torch"])
+    path = tmp_path / "mlm" / "iter_0000007" / "mp_rank_00" / mf.FILE
+    saved = mf.read_megatron_file(str(path))
+    vars(saved["args"]).update(change)
+    torch.save(saved, path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        convert_megatron.main(["--direction", "from-megatron", "--load", str(tmp_path / "mlm"), "--save",
+                               str(tmp_path / "back")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "back").exists()
