@@ -723,10 +723,7 @@ def save_full_state(root: str, iteration: int, config: Config, full: dict[str, t
     ``common.pt`` holds beyond the iteration, config and layout (consumed samples, scheduler, optimizer step).
     Returns the iteration directory; the tracker names it last."""
     path = iteration_dir(root, iteration)
-    os.makedirs(path, exist_ok=True)
-    state: dict[str, Any] = {k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) if t.ndim else t.clone()
-                             for k, t in full.items()}
-    _dcp_save(state, path)
+    write_global_state(path, full)
     p = config.parallel
     dp = config.world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     common = {"iteration": iteration, "consumed_samples": 0, "config": config.to_dict(), "scheduler": None,
@@ -736,6 +733,14 @@ def save_full_state(root: str, iteration: int, config: Config, full: dict[str, t
     ckpt.save_atomically(os.path.join(path, COMMON_FILE), common)
     ckpt.write_tracker(root, iteration)
     return path
+
+
+def write_global_state(path: str, state: dict[str, Any]) -> None:
+    """Write whole tensors (each one piece at offset 0) and plain values (bytes) as a DCP checkpoint into
+    directory ``path``, in this one process."""
+    os.makedirs(path, exist_ok=True)
+    _dcp_save({k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) if isinstance(t, torch.Tensor) and t.ndim
+               else t.clone() if isinstance(t, torch.Tensor) else t for k, t in state.items()}, path)
 
 
 def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) -> dict[str, torch.Tensor]:

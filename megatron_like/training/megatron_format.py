@@ -1,0 +1,347 @@
+"""Megatron-LM's own checkpoint files: its legacy ``torch`` format and Megatron-core's ``torch_dist``, read and
+written from our full state (docs/checkpoints.md, "Megatron-LM checkpoints"). Names and fused layouts are
+``megatron_like.model.megatron_names``'; this module knows the files::
+
+    DIR/latest_checkpointed_iteration.txt
+    DIR/iter_0000100/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt   legacy: _PPP only when pp > 1, _EEE when ep > 1;
+                                                                  {"args", "checkpoint_version", "iteration",
+                                                                   "model" (or "model0", "model1", ...), ...}
+    DIR/iter_0000100/metadata.json, .metadata, __R_0.distcp        torch_dist: Megatron-core's sharded keys
+    DIR/iter_0000100/common.pt                                    torch_dist: {"args", "checkpoint_version", ...}
+
+``args`` is an ``argparse.Namespace``: read with torch's weights-only unpickler allowing exactly that class (and
+stand-ins for the few Megatron-core enums it holds), never with plain pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import typing
+from typing import Any
+
+import torch
+
+from megatron_like.config import Config, ModelConfig
+from megatron_like.model import megatron_names as names
+from megatron_like.model.gpt import chunk_layers
+from megatron_like.training import checkpointing as ckpt
+from megatron_like.training.checkpoint_validation import read_checkpoint_file
+
+CHECKPOINT_VERSION = 3.0
+"""Megatron-LM's ``checkpoint_version`` of the current layout (QKV grouped per query group)."""
+FILE = "model_optim_rng.pt"
+METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                 "common_backend_version": 1}
+"""Megatron-core's ``metadata.json`` (``dist_checkpointing/core.py``'s CheckpointingConfig) of torch_dist."""
+EXPERT_STYLES = ("grouped", "sequential")
+"""How Megatron-core's legacy files hold experts: GroupedMLP (``--moe-grouped-gemm``: ``mlp.experts.weight1/2``)
+or SequentialMLP (``mlp.experts.local_experts.<e>.linear_fc1/2.weight``). torch_dist keys are the same for both."""
+MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+    "make_vocab_size_divisible_by", "hidden_dropout", "attention_dropout", "init_method_std", "norm_epsilon",
+    "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_base", "rotary_percent",
+    "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "normalization", "swiglu",
+    "group_query_attention", "num_query_groups", "add_qkv_bias", "num_experts", "moe_router_topk",
+    "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size")
+"""ModelConfig fields stored under the same name and meaning in Megatron-LM's ``args``."""
+
+
+class _MegatronEnum:
+    """Stand-in for a Megatron-core enum member inside ``args`` (e.g. ``AttnBackend.auto``): keeps its value."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+_ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.ModelType",
+          "megatron.core.transformer.enums.AttnMaskType", "megatron.core.enums.Fp8Recipe")
+
+
+def _safe_globals() -> list:
+    return [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS]
+
+
+def read_megatron_file(path: str) -> dict[str, Any]:
+    """A Megatron-LM ``model_optim_rng.pt`` or ``common.pt`` (CRC-checked; weights-only with ``Namespace``)."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        return read_checkpoint_file(path)
+
+
+def legacy_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """Megatron-LM's ``mp_rank_TT`` (pp 1) or ``mp_rank_TT_PPP``, plus ``_EEE`` under expert parallelism."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def megatron_args(config: Config, padded_vocab: int, iteration: int, *, tp: int, pp: int, ep: int, spec: str,
+                  ckpt_format: str, experts: str) -> argparse.Namespace:
+    """The ``args`` Megatron-LM stores (and checks on load) for our config at the given layout."""
+    m = config.model
+    values: dict[str, Any] = {f: getattr(m, f) for f in MODEL_FIELDS}
+    values.update(
+        add_bias_linear=m.linear_bias, vocab_size=m.vocab_size, padded_vocab_size=padded_vocab,
+        window_size=None if m.window_size is None else tuple(int(x) for x in m.window_size.split(",")),
+        moe_layer_freq=_megatron_layer_freq(m), num_query_groups=m.query_groups if m.group_query_attention else None,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        transformer_impl="transformer_engine" if spec == "te" else "local", ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format == "torch_dist", moe_grouped_gemm=experts == "grouped", iteration=iteration,
+        consumed_train_samples=0, bf16=config.precision.bf16, fp16=config.precision.fp16,
+        params_dtype=torch.bfloat16 if config.precision.bf16 else torch.float16 if config.precision.fp16
+        else torch.float32, seed=config.training.seed, group_query_attention=m.group_query_attention)
+    return argparse.Namespace(**values)
+
+
+def _megatron_layer_freq(model: ModelConfig) -> int | list[int]:
+    freq = model.moe_layer_freq.strip()
+    return int(freq) if freq.isdigit() else [int(x) for x in model.moe_layer_pattern]
+
+
+def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
+    """Our ModelConfig of a Megatron-LM checkpoint's ``args`` (the shared fields; the rest keep defaults)."""
+    values = {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
+    values["disable_bias_linear"] = not getattr(args, "add_bias_linear", True)
+    if not values.get("group_query_attention"):
+        values.pop("num_query_groups", None)
+    window = getattr(args, "window_size", None)
+    if window is not None:
+        values["window_size"] = ",".join(str(int(x)) for x in window)
+    freq = getattr(args, "moe_layer_freq", 1)
+    values["moe_layer_freq"] = str(freq) if isinstance(freq, int) else repr([int(x) for x in freq])
+    for key, value in list(values.items()):
+        if isinstance(value, (_MegatronEnum, enum.Enum)):
+            values[key] = value.value
+    _check_choices(values)
+    return ModelConfig(**values)
+
+
+def _check_choices(values: dict[str, Any]) -> None:
+    """Raise a one-line ValueError for a value outside its field's ``Literal`` choices (Megatron-LM has more:
+    ``seq_aux_loss``, ``flex``, ...); ``Config.validate`` leaves choices to the command-line parser."""
+    hints = typing.get_type_hints(ModelConfig, include_extras=True)
+    for key, value in values.items():
+        hint = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is typing.Annotated else hints[key]
+        if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
+            choices = ", ".join(map(str, typing.get_args(hint)))
+            raise ValueError(f"--{key.replace('_', '-')} {value} (from the checkpoint's args) is not implemented "
+                             f"here (choices: {choices})")
+
+
+# ---------------------------------------------------------------- legacy torch format
+
+
+def _layer_extra_states(model: ModelConfig, spec: str, layer: int) -> list[str]:
+    """``<rest>._extra_state`` entries of layer ``layer``: Megatron-core's linears (and TE's attention core) hold one
+    each (None for the local spec's); its experts are not listed here."""
+    rests = ["self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state"]
+    if spec == "te":
+        rests.append("self_attention.core_attention._extra_state")
+    if model.num_experts is None or not model.is_moe_layer(layer):
+        rests += ["mlp.linear_fc1._extra_state", "mlp.linear_fc2._extra_state"]
+    elif model.moe_shared_expert_intermediate_size:
+        rests += ["mlp.shared_experts.linear_fc1._extra_state", "mlp.shared_experts.linear_fc2._extra_state"]
+    return rests
+
+
+def _experts_to_legacy(layer_prefix: str, fc1: torch.Tensor, fc2: torch.Tensor, style: str) -> dict[str, Any]:
+    """One rank's experts ``fc1 [E_local, F1_r, h]``, ``fc2 [E_local, h, F_r]`` as Megatron-core's module holds
+    them: GroupedMLP's ``weight1 [h, E_local * F1_r]`` is the ``[E_local, h, F1_r]`` memory viewed 2-D."""
+    if style == "grouped":
+        hidden = fc1.shape[-1]
+        return {layer_prefix + "mlp.experts.weight1": fc1.transpose(1, 2).contiguous().reshape(hidden, -1),
+                layer_prefix + "mlp.experts.weight2": fc2.transpose(1, 2).contiguous().reshape(-1, hidden)}
+    out = {}
+    for e in range(fc1.shape[0]):
+        out[f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[e].clone()
+        out[f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[e].clone()
+    return out
+
+
+def _sequential_experts(state: dict[str, Any], layer_prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """SequentialMLP's ``local_experts.<e>`` of one rank, stacked: ``(fc1 [E_local, F1_r, h], fc2 [E_local, h,
+    F_r])``."""
+    fc1, fc2, e = [], [], 0
+    while f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc1.weight" in state:
+        fc1.append(state[f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc1.weight"])
+        fc2.append(state[f"{layer_prefix}mlp.experts.local_experts.{e}.linear_fc2.weight"])
+        e += 1
+    if not fc1:
+        raise ckpt.CheckpointError(f"no experts under {layer_prefix}mlp.experts in the Megatron-LM checkpoint")
+    return torch.stack(fc1), torch.stack(fc2)
+
+
+def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp: int, tp_rank: int, pp: int,
+                      pp_rank: int, ep: int, ep_rank: int, spec: str, experts: str) -> dict[str, Any]:
+    """The ``model`` state dict Megatron-core's GPTModel holds on rank (tp, pp, ep): its stage's layers under
+    local indices, tensor-parallel slices, this ep rank's experts, ``_extra_state`` entries (None)."""
+    m = config.model
+    layers = chunk_layers(m.num_layers, pp, pp_rank, 1, 0)
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    out: dict[str, Any] = {}
+    for name, tensor in per_layer.items():
+        match = names.MEGATRON_LAYER.match(name)
+        if match is None:
+            if name.startswith("embedding.") and not first or not name.startswith("embedding.") and not last:
+                continue
+            out[name] = names.split_tp_megatron(name, tensor, m, tp, tp_rank)
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer not in layers:
+            continue
+        prefix = f"decoder.layers.{layer - layers[0]}."
+        if rest == names.EXPERT_FC2:
+            continue  # written with fc1 below
+        if rest == names.EXPERT_FC1:
+            fc1, fc2 = (per_layer[f"decoder.layers.{layer}.{k}"].chunk(ep)[ep_rank]
+                        for k in (names.EXPERT_FC1, names.EXPERT_FC2))
+            fc1 = names.split_tp_megatron(names.EXPERT_FC1, fc1, m, tp, tp_rank)
+            fc2 = names.split_tp_megatron(names.EXPERT_FC2, fc2, m, tp, tp_rank)
+            out.update(_experts_to_legacy(prefix, fc1, fc2, experts))
+            continue
+        out[prefix + rest] = names.split_tp_megatron(rest, tensor, m, tp, tp_rank)
+    for layer in layers:
+        out.update({f"decoder.layers.{layer - layers[0]}.{rest}": None for rest in _layer_extra_states(m, spec, layer)})
+    if last:  # the output layer's module exists on the last stage, tied or not
+        out["output_layer._extra_state"] = None
+    if last and first is False and not m.untie_embeddings_and_output_weights:
+        # Megatron-LM's last stage holds its own copy of the tied embedding as the output layer's weight
+        word = per_layer["embedding.word_embeddings.weight"]
+        out["output_layer.weight"] = names.split_tp_megatron("output_layer.weight", word, m, tp, tp_rank)
+    return out
+
+
+def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, torch.Tensor], padded_vocab: int, *,
+                tp: int, pp: int, ep: int, spec: str, experts: str) -> None:
+    """Write Megatron-LM's legacy torch format (weights; no optimizer) at layout tp x pp x ep."""
+    args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch",
+                         experts=experts)
+    for pp_rank in range(pp):
+        for tp_rank in range(tp):
+            for ep_rank in range(ep):
+                state = legacy_rank_state(per_layer, config, tp=tp, tp_rank=tp_rank, pp=pp, pp_rank=pp_rank, ep=ep,
+                                          ep_rank=ep_rank, spec=spec, experts=experts)
+                path = os.path.join(root, f"iter_{iteration:07d}", legacy_dir_name(tp_rank, pp_rank, pp, ep_rank, ep))
+                os.makedirs(path, exist_ok=True)
+                ckpt.save_atomically(os.path.join(path, FILE), {
+                    "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                    "model": state, "num_floating_point_operations_so_far": 0})
+    ckpt.write_tracker(root, iteration)
+
+
+def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """Megatron-core per-layer global tensors (``to_megatron_layers``' form) of a legacy checkpoint directory."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise ckpt.CheckpointError(f"{it_dir} was saved with virtual pipeline stages (model0, model1, ...): not "
+                                   "read here; convert it to torch_dist with Megatron-LM first")
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank in range(pp):
+        layers = chunk_layers(model.num_layers, pp, pp_rank, 1, 0)
+        ranks = [[read_megatron_file(os.path.join(it_dir, legacy_dir_name(t, pp_rank, pp, e, ep), FILE))["model"]
+                  for e in range(ep)] for t in range(tp)]
+        first = ranks[0][0]
+        for name in first:
+            if name.endswith("_extra_state") or ".mlp.experts." in name:
+                continue
+            if name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
+                continue  # the last stage's copy of the tied embedding
+            merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model)
+            match = names.MEGATRON_LAYER.match(name)
+            out[f"decoder.layers.{layers[int(match.group(1))]}.{match.group(2)}" if match else name] = merged
+        for local, layer in enumerate(layers):
+            if model.num_experts is None or not model.is_moe_layer(layer):
+                continue
+            prefix = f"decoder.layers.{local}."
+            fc1s, fc2s = [], []
+            for t in range(tp):
+                per_ep = [_legacy_experts(r, prefix, model, tp) for r in ranks[t]]
+                fc1s.append(torch.cat([p[0] for p in per_ep]))
+                fc2s.append(torch.cat([p[1] for p in per_ep]))
+            out[f"decoder.layers.{layer}.{names.EXPERT_FC1}"] = names.merge_tp_megatron(names.EXPERT_FC1, fc1s, model)
+            out[f"decoder.layers.{layer}.{names.EXPERT_FC2}"] = names.merge_tp_megatron(names.EXPERT_FC2, fc2s, model)
+    return out
+
+
+def _legacy_experts(state: dict[str, Any], prefix: str, model: ModelConfig, tp: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's ``(fc1 [E_local, F1_r, h], fc2 [E_local, h, F_r])`` from either expert style."""
+    w1 = state.get(prefix + "mlp.experts.weight1")
+    if w1 is None:
+        return _sequential_experts(state, prefix)
+    w2 = state[prefix + "mlp.experts.weight2"]
+    hidden, f_r = model.hidden_size, model.moe_ffn_size // tp
+    fc1 = w1.reshape(-1, hidden, (2 if model.swiglu else 1) * f_r).transpose(1, 2)
+    fc2 = w2.reshape(-1, f_r, hidden).transpose(1, 2)
+    return fc1.contiguous(), fc2.contiguous()
+
+
+# ---------------------------------------------------------------- torch_dist
+
+
+def extra_state_keys(model: ModelConfig, spec: str) -> list[str]:
+    """The ``_extra_state`` ShardedObjects Megatron-core's torch_dist holds, under their unique keys
+    (``<key>/shard_<offset>_<shape>``: ``shard_<layer>_<L>`` when stacked, ``shard_0_1`` otherwise)."""
+    keys = []
+    for layer in range(model.num_layers):
+        for rest in _layer_extra_states(model, spec, layer):
+            keys.append(f"decoder.layers.{rest}/shard_{layer}_{model.num_layers}" if names.is_stacked(model)
+                        else f"decoder.layers.{layer}.{rest}/shard_0_1")
+    keys.append("output_layer._extra_state/shard_0_1")
+    return keys
+
+
+def save_torch_dist(root: str, iteration: int, config: Config, mglobal: dict[str, torch.Tensor], padded_vocab: int,
+                    *, tp: int, pp: int, ep: int, spec: str) -> None:
+    """Write Megatron-core's torch_dist: its keys (DCP), ``metadata.json`` and ``common.pt`` with ``args``."""
+    from megatron_like.training.dist_checkpointing import write_global_state
+
+    path = os.path.join(root, f"iter_{iteration:07d}")
+    state: dict[str, Any] = dict(mglobal)
+    # Megatron-core stores each ShardedObject as torch.save of the list of its local objects (strategies/torch.py)
+    state.update({key: [None] for key in extra_state_keys(config.model, spec)})
+    write_global_state(path, state)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(METADATA_JSON, f)
+    args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch_dist",
+                         experts="grouped")
+    ckpt.save_atomically(os.path.join(path, "common.pt"), {
+        "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+        "num_floating_point_operations_so_far": 0})
+    ckpt.write_tracker(root, iteration)
+
+
+def is_megatron_torch_dist(it_dir: str) -> bool:
+    """Whether ``it_dir`` holds Megatron-core's torch_dist (its ``metadata.json``)."""
+    return os.path.isfile(os.path.join(it_dir, "metadata.json"))
+
+
+def read_args(it_dir: str) -> argparse.Namespace:
+    """The ``args`` of a Megatron-LM checkpoint iteration directory (either format)."""
+    if is_megatron_torch_dist(it_dir):
+        path = os.path.join(it_dir, "common.pt")
+    else:
+        found = sorted(d for d in os.listdir(it_dir) if d.startswith("mp_rank_"))
+        if not found:
+            raise ckpt.CheckpointError(f"{it_dir} holds neither metadata.json (torch_dist) nor mp_rank_* "
+                                       "directories (legacy torch): not a Megatron-LM checkpoint")
+        path = os.path.join(it_dir, found[0], FILE)
+    args = read_megatron_file(path).get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise ckpt.CheckpointError(f"{path} holds no Megatron-LM args (an argparse.Namespace under 'args')")
+    return args
+
+
+def load_torch_dist(it_dir: str) -> dict[str, torch.Tensor]:
+    """Megatron-core's global tensors (not the ``_extra_state`` objects) of a torch_dist iteration directory."""
+    from megatron_like.training.checkpoint_integrity import read_dcp_metadata
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+
+    root, name = os.path.split(it_dir.rstrip(os.sep))
+    keys = sorted(k for k in read_dcp_metadata(it_dir).state_dict_metadata if "_extra_state" not in k)
+    return read_full_tensors(root, keys, int(name[len("iter_"):]))
