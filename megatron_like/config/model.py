@@ -37,6 +37,10 @@ class ModelConfig:
     """Dropout on the attention probabilities."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
+    init_method_xavier_uniform: bool = False
+    """Draw every weight matrix of the transformer layers Xavier-uniform over its full (unsplit) shape, output
+    projections included (no depth scaling), instead of N(0, --init-method-std^2); embeddings and heads keep
+    --init-method-std. pretrain_vit.py's default (the original ViT's init); see docs/workflows.md."""
     norm_epsilon: float = 1e-5
     """Epsilon of every LayerNorm or RMSNorm (alias: --layernorm-epsilon)."""
     untie_embeddings_and_output_weights: bool = False
@@ -237,6 +241,8 @@ class ModelConfig:
             return
         e, k = self.num_experts, self.moe_router_topk
         _require(e >= 1, f"--num-experts {e} must be positive")
+        _require(not self.init_method_xavier_uniform, "--init-method-xavier-uniform is not supported with "
+                 "--num-experts (the experts draw N(0, --init-method-std^2)); drop one of the two")
         _require(1 <= k <= e, f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
         _require(self.disable_bias_linear, "--num-experts needs --disable-bias-linear (experts hold bias-free "
                  "[experts, in, out] weights, as Megatron-LM's GroupedMLP)")

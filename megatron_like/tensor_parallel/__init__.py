@@ -6,6 +6,7 @@ from megatron_like.tensor_parallel.initialization import (
     load_initial_values,
     new_parameter,
     normal_init,
+    xavier_uniform_init,
 )
 from megatron_like.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -45,5 +46,6 @@ __all__ = [
     "scatter_to_tensor_parallel_region",
     "seed_everything",
     "vocab_parallel_cross_entropy",
+    "xavier_uniform_init",
     "zeros_parameter",
 ]
