@@ -71,3 +71,11 @@ def test_xavier_draw_is_layout_independent():
             draw_slice(out, xavier_uniform_init(), torch.Generator().manual_seed(7), (384, 128), partition_dim,
                        tp_rank, 2)
             torch.testing.assert_close(out, full.chunk(2, partition_dim)[tp_rank], rtol=0, atol=0)
+
+
+def test_xavier_layers_with_experts_are_refused_in_one_line():
+    from megatron_like.config import ConfigError
+
+    config = ModelConfig(num_experts=2, disable_bias_linear=True, init_method_xavier_uniform=True)
+    with pytest.raises(ConfigError, match="--init-method-xavier-uniform is not supported with --num-experts"):
+        config.validate_moe()
