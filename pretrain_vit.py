@@ -65,6 +65,12 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, VisionConfig]:
                           "are for causal (GPT) models")
     config.model.seq_length = vision.seq_length
     config.model.max_position_embeddings = None
+    # The original ViT's layer init: at GPT-2's N(0, 0.02^2) (output projections / sqrt(2 L)) the residual
+    # branches start ~4x (attention output ~7x) smaller than their input at hidden 128, and the class token
+    # learns to read the image only after a plateau whose length depends on the seed (docs/workflows.md).
+    if vision.gpt2_layer_init and config.model.init_method_xavier_uniform:
+        raise ConfigError("--gpt2-layer-init and --init-method-xavier-uniform contradict each other; pass one")
+    config.model.init_method_xavier_uniform = not vision.gpt2_layer_init
     config.validate()
     check_supported(config)
     return config, vision

@@ -1,13 +1,25 @@
-"""A plain single-file PyTorch ViT and its training loop: the reference our ViT's learning is checked against.
+"""A plain single-file PyTorch ViT built from PyTorch's defaults: the reference our ViT's learning is checked against.
 
-Nothing of megatron_like is used: ``nn.TransformerEncoder`` (pre-LN, GELU, dropout 0.1), a linear patch
-projection, a learned class token and position embeddings, a final LayerNorm and a linear head on the class
-token, PyTorch's default initialization, AdamW (weight decay on matrices only), linear warmup then linear decay,
-gradient clipping at 1.0. The images are read from an image folder ``ROOT/{train,val}/<class>/*.png`` with
-Pillow and scaled to [-1, 1] (what ``pretrain_vit.py`` does). It prints the training loss every
-``--log-interval`` iterations and ends with the top-1 accuracy over the whole validation folder::
+Nothing of megatron_like is used, and nothing is tuned: every choice below is PyTorch's default or the common
+ViT recipe.
 
-    .venv/bin/python benchmarks/plain_vit.py --data-path data/digits --train-iters 300
+- Model: a ``nn.Linear`` patch projection (PyTorch's default initialization), a zero-initialized class token,
+  position embeddings drawn at std 0.02, dropout 0.1 on the embeddings, ``nn.TransformerEncoder`` of
+  ``nn.TransformerEncoderLayer(norm_first=True, activation="gelu", dropout=0.1)`` (PyTorch's own initialization
+  of attention and MLP), a final ``nn.LayerNorm`` and a ``nn.Linear`` head (default initialization) on the class
+  token.
+- Update: ``torch.optim.AdamW`` with its defaults (betas 0.9 / 0.999, eps 1e-8, weight decay 0.01 on every
+  parameter), no gradient clipping; ``LambdaLR``: linear warmup then linear decay to 0.
+- Data: pixels in [0, 1] (``ToTensor``'s range), read with Pillow from ``ROOT/{train,val}/<class>/*.png``; a
+  ``DataLoader`` reshuffling the training set every epoch (``torch.manual_seed(--seed)`` fixes the initial
+  weights, the order and the dropout masks).
+
+What it shares with ``pretrain_vit.py``'s recipe (the README's): the sizes (4 layers, hidden 128, 4 heads, MLP
+4 x hidden, patch 4 on 32x32 RGB), 32 images per iteration, lr 1e-3 with 20 warmup iterations then linear decay,
+300 iterations, dropout 0.1, the image folder, and top-1 over the whole validation folder at the end. It prints
+the training loss every ``--log-interval`` iterations and ends with that accuracy::
+
+    .venv/bin/python benchmarks/plain_vit.py --data-path data/digits --seed 1
 
 ``benchmarks/learning_quality.py vit`` runs it next to ``pretrain_vit.py`` on the same folder.
 """
@@ -21,18 +33,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 
-def read_image_folder(root: str, image_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """All images of ``root/<class>/`` as float32 ``[n, 3, image_size, image_size]`` in [-1, 1], labels ``[n]``."""
+def read_image_folder(root: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """All images of ``root/<class>/`` as float32 ``[n, 3, H, W]`` in [0, 1], and their labels ``[n]``."""
     from PIL import Image
 
     images, labels = [], []
     for label, name in enumerate(sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))):
         for file in sorted(os.listdir(os.path.join(root, name))):
             with Image.open(os.path.join(root, name, file)) as image:
-                image = image.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-                images.append(np.asarray(image, dtype=np.float32) / 127.5 - 1.0)
+                images.append(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0)
             labels.append(label)
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).contiguous(), torch.tensor(labels)
 
@@ -65,12 +77,9 @@ class PlainViT(nn.Module):
         return self.head(self.norm(x[:, 0]))
 
 
-def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
-    """Linear warmup over ``warmup`` steps, then linear decay to 0 at ``total`` (``step`` updates done;
-    iteration k uses step k - 1, as Megatron)."""
-    if warmup and step <= warmup:
-        return lr * step / warmup
-    return lr * max(0.0, 1.0 - (step - warmup) / max(1, total - warmup))
+def warmup_then_linear_decay(warmup: int, total: int):
+    """``LambdaLR`` factor of step ``s`` (0-based): ``(s + 1) / warmup`` up to 1, then linear to 0 at ``total``."""
+    return lambda s: min((s + 1) / max(1, warmup), max(0.0, (total - s) / max(1, total - warmup)))
 
 
 @torch.no_grad()
@@ -85,31 +94,28 @@ def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch
 def train(args: argparse.Namespace) -> float:
     """Train on ``args.data_path``/train; print the loss as it goes; return the top-1 accuracy on /val."""
     torch.manual_seed(args.seed)
-    train_x, train_y = read_image_folder(os.path.join(args.data_path, "train"), args.image_size)
-    val_x, val_y = read_image_folder(os.path.join(args.data_path, "val"), args.image_size)
-    model = PlainViT(args.image_size, args.patch_size, int(train_y.max()) + 1, args.num_layers, args.hidden_size,
+    train_x, train_y = read_image_folder(os.path.join(args.data_path, "train"))
+    val_x, val_y = read_image_folder(os.path.join(args.data_path, "val"))
+    model = PlainViT(train_x.shape[-1], args.patch_size, int(train_y.max()) + 1, args.num_layers, args.hidden_size,
                      args.num_attention_heads, args.dropout)
-    decay = [p for p in model.parameters() if p.ndim > 1 and p is not model.class_token and p is not model.position]
-    no_decay = [p for p in model.parameters() if all(p is not q for q in decay)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    generator = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(len(train_y), generator=generator)
-    position = 0
-    for step in range(1, args.train_iters + 1):
-        if position + args.batch_size > len(order):  # a new epoch, reshuffled
-            order, position = torch.randperm(len(train_y), generator=generator), 0
-        index = order[position:position + args.batch_size]
-        position += args.batch_size
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1, args.lr, args.warmup_iters, args.train_iters)
-        loss = F.cross_entropy(model(train_x[index]), train_y[index])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
-        optimizer.step()
-        if step % args.log_interval == 0:  # this iteration's loss, as pretrain_vit.py logs it
-            print(f" iteration {step:4d} | loss: {loss.item():.4f}", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_then_linear_decay(args.warmup_iters, args.train_iters))
+    # drop_last: every iteration sees --batch-size images, as ours does.
+    loader = DataLoader(TensorDataset(train_x, train_y), batch_size=args.batch_size, shuffle=True, drop_last=True)
+    step = 0
+    while step < args.train_iters:
+        for images, labels in loader:
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            if step % args.log_interval == 0:  # this iteration's loss, as pretrain_vit.py logs it
+                print(f" iteration {step:4d} | loss: {loss.item():.4f}", flush=True)
+            if step == args.train_iters:
+                break
     top1 = accuracy(model, val_x, val_y)
     print(f" validation set: {len(val_y)} images | top-1 accuracy: {100 * top1:.2f}", flush=True)
     return top1
@@ -118,7 +124,6 @@ def train(args: argparse.Namespace) -> float:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data-path", required=True, help="image folder root holding train/ and val/")
-    parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--patch-size", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -128,8 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-iters", type=int, default=20)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--clip-grad", type=float, default=1.0)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's default, on every parameter")
     parser.add_argument("--log-interval", type=int, default=20)
     parser.add_argument("--seed", type=int, default=1234)
     return parser.parse_args(argv)

@@ -64,6 +64,10 @@ class ModelConfig:
     """Dropout on the attention probabilities."""
     init_method_std: Annotated[float, NotCompared("initialization only: loaded weights replace it"), POSITIVE] = 0.02
     """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
+    init_method_xavier_uniform: Annotated[bool, NotCompared("initialization only: loaded weights replace it")] = False
+    """Draw every weight matrix of the transformer layers Xavier-uniform over its full (unsplit) shape, output
+    projections included (no depth scaling), instead of N(0, --init-method-std^2); embeddings and heads keep
+    --init-method-std. pretrain_vit.py's default (the original ViT's init); see docs/workflows.md."""
     norm_epsilon: Annotated[float, MUST_MATCH, POSITIVE] = 1e-5
     """Epsilon of every LayerNorm or RMSNorm (alias: --layernorm-epsilon)."""
     untie_embeddings_and_output_weights: Annotated[bool, MUST_MATCH] = False
@@ -313,6 +317,8 @@ class ModelConfig:
         _require(not self.group_query_attention, "--multi-latent-attention shares one latent between all heads: "
                  "drop --group-query-attention")
         _require(self.window_size is None, "--multi-latent-attention has no sliding window: drop --window-size")
+        _require(not self.init_method_xavier_uniform, "--multi-latent-attention draws N(0, --init-method-std^2): "
+                 "drop --init-method-xavier-uniform")
         _require(self.attention_core == "sdpa", "--multi-latent-attention runs on --attention-backend sdpa")
         _require(not self.qat, "--qat fake-quantizes the tensor-parallel linears only; --multi-latent-attention's "
                  "down-projections are not: drop --qat")
@@ -326,6 +332,8 @@ class ModelConfig:
         if self.num_experts is None:  # every MoE flag declares Requires("num_experts")
             return
         e, k = self.num_experts, self.moe_router_topk
+        _require(not self.init_method_xavier_uniform, "--init-method-xavier-uniform is not supported with "
+                 "--num-experts (the experts draw N(0, --init-method-std^2)); drop one of the two")
         _require(k <= e, f"--moe-router-topk {k} must be in [1, --num-experts {e}]")
         _require(self.disable_bias_linear, "--num-experts needs --disable-bias-linear (experts hold bias-free "
                  "[experts, in, out] weights, as Megatron-LM's GroupedMLP)")

@@ -46,7 +46,9 @@ from megatron_like.tensor_parallel import (
     get_rng_tracker,
     normal_init,
     scatter_to_sequence_parallel_region,
+    xavier_uniform_init,
 )
+from megatron_like.tensor_parallel.initialization import InitMethod
 from megatron_like.tensor_parallel.random import checkpoint
 
 
@@ -66,6 +68,15 @@ def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dro
         with sharded_dropout_context(sequence_parallel):
             x = F.dropout(x, p=dropout_p, training=True)
     return x
+
+
+def layer_init_methods(config: ModelConfig) -> tuple[InitMethod, InitMethod]:
+    """(init of the layer's input-side matrices, init of the two output projections that write into the residual
+    stream): GPT-2's N(0, std^2) and N(0, (std / sqrt(2 L))^2), or Xavier uniform for both
+    (``--init-method-xavier-uniform``, as Megatron-LM's flag)."""
+    if config.init_method_xavier_uniform:
+        return xavier_uniform_init(), xavier_uniform_init()
+    return normal_init(config.init_method_std), normal_init(config.init_method_std / math.sqrt(2.0 * config.num_layers))
 
 
 class SelfAttention(nn.Module):
@@ -103,15 +114,14 @@ class SelfAttention(nn.Module):
         # Context parallelism: this rank holds two chunks of each sequence (model/context_parallel/)
         self.context_parallel = ps if ps.cp_size > 1 else None
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
+        init_method, output_init_method = layer_init_methods(config)
         self.qkv = ColumnParallelLinear(
-            h, qkv_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std), seed=seed,
+            h, qkv_size, tp_group=ps.tp_group, init_method=init_method, seed=seed,
             name=f"layers.{layer}.attention.qkv", bias=config.qkv_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
-        # GPT-2's scaled init of the projections that write into the residual stream.
-        scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.proj = RowParallelLinear(
-            config.attention_size, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
+            config.attention_size, h, tp_group=ps.tp_group, init_method=output_init_method, seed=seed,
             name=f"layers.{layer}.attention.proj", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )
@@ -295,14 +305,14 @@ class MLP(nn.Module):
         h, ffn = config.hidden_size, config.ffn_size
         self.swiglu = config.swiglu
         self.bias_gelu_fusion = config.bias_gelu_fusion and config.linear_bias and not config.swiglu
+        init_method, output_init_method = layer_init_methods(config)
         self.fc1 = ColumnParallelLinear(
-            h, 2 * ffn if self.swiglu else ffn, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
+            h, 2 * ffn if self.swiglu else ffn, tp_group=ps.tp_group, init_method=init_method,
             seed=seed, name=f"{name}.fc1", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, skip_bias_add=self.bias_gelu_fusion, gemm_backend=config.cpu_gemm_backend,
         )
-        scaled_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.fc2 = RowParallelLinear(
-            ffn, h, tp_group=ps.tp_group, init_method=normal_init(scaled_std), seed=seed,
+            ffn, h, tp_group=ps.tp_group, init_method=output_init_method, seed=seed,
             name=f"{name}.fc2", bias=config.linear_bias, sequence_parallel=sequence_parallel,
             dtype=dtype, device=ps.device, gemm_backend=config.cpu_gemm_backend,
         )

@@ -45,6 +45,10 @@ class VisionConfig:
     """Channels of the input images (3 = RGB)."""
     num_classes: int | None = None
     """Classes of the head; defaults to the class folders under --data-path (4 with --mock-data)."""
+    gpt2_layer_init: bool = False
+    """Draw the transformer layers as GPT does, N(0, --init-method-std^2) with the output projections scaled by
+    1/sqrt(2 * layers), instead of the ViT's Xavier uniform (--init-method-xavier-uniform, on by default here):
+    the init before issue 32, whose start is a long, seed-dependent plateau (docs/workflows.md)."""
 
     def validate(self) -> None:
         for name in ("image_size", "patch_size", "num_channels"):

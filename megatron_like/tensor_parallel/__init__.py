@@ -6,6 +6,7 @@ from megatron_like.tensor_parallel.initialization import (
     load_initial_values,
     new_parameter,
     normal_init,
+    xavier_uniform_init,
 )
 from megatron_like.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -47,5 +48,6 @@ __all__ = [
     "seed_everything",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_embedding",
+    "xavier_uniform_init",
     "zeros_parameter",
 ]

@@ -59,6 +59,15 @@ def normal_init(std: float) -> InitMethod:
     return init
 
 
+def xavier_uniform_init() -> InitMethod:
+    """Weights ~ U(-a, a), a = sqrt(6 / (fan_in + fan_out)) of the full weight, drawn whole from the generator."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        torch.nn.init.xavier_uniform_(tensor, generator=generator)
+
+    return init
+
+
 # ------------------------------------------------------------------------------ layout-independent draws
 def rows_per_chunk(row_elements: int, chunk_elements: int) -> int:
     """Rows of ``row_elements`` values per chunk: about ``chunk_elements`` values, a multiple of 16."""

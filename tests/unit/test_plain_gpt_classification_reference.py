@@ -1,9 +1,10 @@
-"""``benchmarks/plain_gpt_classification.py`` computes our classification loss and gradients: a fair reference.
+"""``benchmarks/plain_gpt_classification.py`` is the network ours is, trained from PyTorch's defaults.
 
 ``benchmarks/learning_quality.py finetune`` reads a gap between our dev accuracy and the plain fine-tune's as a
 difference in how we fine-tune; that holds only while the plain classifier, given our weights, computes our
-logits, loss and gradients (the same pooled token, the same head). Pinned at a state away from the initial one
-(every weight perturbed), on padded sequences of different lengths, where pooling the wrong token would show.
+logits, loss and gradients (the same pooled token, the same head function). Pinned at a state away from the
+initial one (every weight perturbed), on padded sequences of different lengths, where pooling the wrong token
+would show. Its head is PyTorch's own ``nn.Linear`` (default initialization, with a bias), not our draw.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def test_plain_classifier_computes_our_loss_and_gradients(plain):
             param.add_(torch.randn_like(param) * 0.05)
     model = plain.PlainGPTClassifier(VOCAB, SEQ, LAYERS, HIDDEN, HEADS, CLASSES, hidden_dropout=0.0,
                                      attention_dropout=0.0)
-    plain.copy_weights(model, ours)
+    plain.plain_gpt.copy_weights(model.gpt, ours)
+    with torch.no_grad():  # ours is bias-free
+        model.head.weight.copy_(ours.head_weight)
+        model.head.bias.zero_()
     tokens = torch.randint(0, VOCAB, (4, SEQ))
     last_index = torch.tensor([SEQ - 1, 6, 0, 11])  # full, padded, one token, padded
     labels = torch.tensor([0, 3, 4, 1])
@@ -55,7 +59,7 @@ def test_plain_classifier_computes_our_loss_and_gradients(plain):
     torch.testing.assert_close(plain_logits, ours_logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain_loss, ours_loss, rtol=1e-5, atol=0)
     plain_params = dict(model.named_parameters())
-    assert len(plain_params) == len(list(ours.parameters()))
+    assert len(plain_params) == len(list(ours.parameters())) + 1  # + the head's bias
     for name, param in ours.named_parameters():
         theirs = "head.weight" if name == "head_weight" else "gpt." + plain_name(name)
         torch.testing.assert_close(plain_layout(name, param.grad), plain_params[theirs].grad,
@@ -66,12 +70,13 @@ def test_plain_classifier_computes_our_loss_and_gradients(plain):
     assert abs(wrong.item() - ours_loss.item()) > 1e-3
 
 
-def test_plain_head_draws_our_initial_distribution(plain):
-    """The head of ``--own-head-init``: N(0, 0.02^2), bias-free, as ours."""
+def test_plain_head_is_pytorch_default_not_ours(plain):
+    """The plain head is ``nn.Linear``'s default: a bias and U(-1/sqrt(h), 1/sqrt(h)) weights (std 1/sqrt(3h)),
+    not our bias-free N(0, 0.02^2) draw."""
     torch.manual_seed(1234)
     model = plain.PlainGPTClassifier(VOCAB, SEQ, LAYERS, HIDDEN, HEADS, CLASSES)
-    ours = ours_model()
-    assert model.head.bias is None and model.head.weight.shape == ours.head_weight.shape
-    for side, weight in (("ours", ours.head_weight), ("plain", model.head.weight)):
-        assert abs(weight.std().item() / 0.02 - 1) < 0.15, f"{side} head: std {weight.std():.4f}"
-        assert abs(weight.mean().item()) < 0.005, f"{side} head: mean {weight.mean():.4f}"
+    weight = model.head.weight
+    assert model.head.bias is not None and weight.shape == ours_model().head_weight.shape
+    bound = HIDDEN**-0.5
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.8 * bound
+    assert abs(weight.std().item() / (bound / 3**0.5) - 1) < 0.15, f"plain head: std {weight.std():.4f}"
