@@ -122,7 +122,7 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
 
 def _check_choices(values: dict[str, Any]) -> None:
     """Raise a one-line ValueError for a value outside its field's ``Literal`` choices (Megatron-LM has more:
-    ``seq_aux_loss``, ``flex``, ...); ``Config.validate`` leaves choices to the command-line parser."""
+    ``global_aux_loss``, ``flex``, ...); ``Config.validate`` leaves choices to the command-line parser."""
     hints = typing.get_type_hints(ModelConfig, include_extras=True)
     for key, value in values.items():
         hint = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is typing.Annotated else hints[key]

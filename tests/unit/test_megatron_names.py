@@ -292,7 +292,7 @@ def test_from_megatron_refuses_a_directory_of_something_else(tmp_path, capsys):
 
 @pytest.mark.parametrize("change, message", [
     ({"virtual_pipeline_model_parallel_size": 2}, "was saved with virtual pipeline stages"),
-    ({"moe_router_load_balancing_type": "seq_aux_loss"}, "--moe-router-load-balancing-type"),
+    ({"moe_router_load_balancing_type": "global_aux_loss"}, "--moe-router-load-balancing-type"),
 ])
 def test_from_megatron_refuses_what_it_cannot_hold_in_one_line(tmp_path, capsys, change, message):
     _save_ours(tmp_path / "ours", "mixtral")
