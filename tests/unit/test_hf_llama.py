@@ -34,6 +34,28 @@ H, HEADS, GROUPS, FFN, LAYERS, VOCAB = 64, 4, 2, 96, 2, 120
 # AVX2 kernels, PyTorch's unvectorized kernels (MEGATRON_LIKE_ISA=scalar) reach 3e-5; a mapping error moves ~1.
 LOGIT_ATOL = 5e-5
 
+def converted_layouts(hf, root) -> dict[str, str]:
+    """``hf`` saved under ``root``, converted by convert_hf.py to our tp1 and tp2 x pp2 checkpoints, and the latter
+    back to Hugging Face: ``{"hf", "tp1", "tp2pp2", "back": directory}``."""
+    hf.save_pretrained(root / "hf")
+    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp1")])
+    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp2pp2"),
+                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    convert_hf.main(["to-hf", "--load", str(root / "tp2pp2"), "--save", str(root / "back")])
+    return {name: str(root / name) for name in ("hf", "tp1", "tp2pp2", "back")}
+
+
+def assert_greedy_equals_hf(ours: GPTModel, hf) -> None:
+    """12 greedy tokens of two prompts of different lengths through our KV cache equal transformers' generate."""
+    prompts = [IDS[0, :9].tolist(), IDS[1, :3].tolist()]
+    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=12), vocab_size=VOCAB)
+    for prompt, ours_greedy in zip(prompts, greedy):
+        ids = torch.tensor([prompt])
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours_greedy[0].token_ids == theirs
+
+
 def tiny(family: str, **overrides):
     """A tiny random ``<family>ForCausalLM`` (large init so attention and every layer matter)."""
     config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -181,13 +203,7 @@ def test_rope_scaling_and_sliding_window_equal_transformers(variant, monkeypatch
                     torch.testing.assert_close(ours(IDS, None), expected, rtol=1e-5, atol=LOGIT_ATOL)
             for layer in ours.layers:
                 layer.attention.backend, layer.attention.softmax_fusion = "sdpa", True
-    prompts = [IDS[0, :9].tolist(), IDS[1, :3].tolist()]
-    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=12), vocab_size=VOCAB)
-    for prompt, ours_greedy in zip(prompts, greedy):
-        ids = torch.tensor([prompt])
-        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert ours_greedy[0].token_ids == theirs
+    assert_greedy_equals_hf(ours, hf)
     config = hf_llama.hf_config(m, VOCAB)
     assert config["model_type"] == family
     rebuilt = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config)).eval()

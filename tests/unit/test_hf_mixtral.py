@@ -16,7 +16,7 @@ import transformers  # a test dependency: missing, these tests fail
 
 from megatron_like.inference import hf_gpt2, hf_mixtral, load_inference_model
 from megatron_like.parallel_state import ParallelState
-from tests.unit.test_hf_llama import convert_hf
+from tests.unit.test_hf_llama import convert_hf, converted_layouts
 
 H, HEADS, GROUPS, FFN, LAYERS, VOCAB, EXPERTS, TOPK = 64, 4, 2, 48, 2, 120, 4, 2
 IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -39,12 +39,7 @@ def mixtral_dirs(tmp_path_factory):
     """(HF model, its directory, our tp1 and tp2 x pp2 checkpoints converted from it, to-hf of the latter)."""
     root = tmp_path_factory.mktemp("mixtral")
     hf = tiny_mixtral()
-    hf.save_pretrained(root / "hf")
-    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp1")])
-    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp2pp2"),
-                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
-    convert_hf.main(["to-hf", "--load", str(root / "tp2pp2"), "--save", str(root / "back")])
-    return hf, {name: str(root / name) for name in ("hf", "tp1", "tp2pp2", "back")}
+    return hf, converted_layouts(hf, root)
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])

@@ -17,10 +17,10 @@ import pytest
 import torch
 import transformers  # a test dependency: missing, these tests fail
 
-from megatron_like.inference import GenerationParams, generate, hf_gpt2, hf_qwen3, load_inference_model
+from megatron_like.inference import hf_gpt2, hf_qwen3, load_inference_model
 from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
-from tests.unit.test_hf_llama import IDS, LOGIT_ATOL, convert_hf
+from tests.unit.test_hf_llama import IDS, LOGIT_ATOL, assert_greedy_equals_hf, convert_hf, converted_layouts
 
 H, HEADS, GROUPS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 32, 96, 2, 120
 EXPERTS, TOPK, EXPERT_FFN = 4, 2, 48
@@ -64,12 +64,7 @@ def qwen3_dirs(request, tmp_path_factory):
     """(HF model, its directory, our tp1 and tp2 x pp2 checkpoints converted from it, to-hf of the latter)."""
     root = tmp_path_factory.mktemp(request.param)
     hf = tiny_qwen3(moe=request.param == "qwen3_moe")
-    hf.save_pretrained(root / "hf")
-    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp1")])
-    convert_hf.main(["from-hf", "--load", str(root / "hf"), "--save", str(root / "tp2pp2"),
-                     "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
-    convert_hf.main(["to-hf", "--load", str(root / "tp2pp2"), "--save", str(root / "back")])
-    return hf, {name: str(root / name) for name in ("hf", "tp1", "tp2pp2", "back")}
+    return hf, converted_layouts(hf, root)
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp2pp2"])
@@ -111,13 +106,7 @@ def test_greedy_generation_through_the_kv_cache_equals_transformers(variant, tmp
     assert ours.config.moe_router_pre_softmax == variant.endswith("no-norm-topk")
     with torch.no_grad():
         torch.testing.assert_close(ours(IDS, None), hf(IDS).logits, rtol=1e-5, atol=LOGIT_ATOL)
-    prompts = [IDS[0, :9].tolist(), IDS[1, :3].tolist()]
-    greedy = generate(ours, prompts, GenerationParams(max_new_tokens=12), vocab_size=VOCAB)
-    for prompt, ours_greedy in zip(prompts, greedy):
-        ids = torch.tensor([prompt])
-        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-        assert ours_greedy[0].token_ids == theirs
+    assert_greedy_equals_hf(ours, hf)
     config = hf_qwen3.hf_config(ours.config, VOCAB)
     assert config["norm_topk_prob" if variant != "qwen3" else "model_type"] == {
         "qwen3": "qwen3", "qwen3_moe": True, "qwen3_moe-no-norm-topk": False}[variant]
