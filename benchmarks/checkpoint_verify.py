@@ -12,14 +12,12 @@ One process, a GPT of about 45M parameters (default: 6 layers, hidden 512, vocab
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from unittest import mock
 
 import torch
@@ -32,20 +30,10 @@ from megatron_like.config import parse_config
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import seed_everything
 from megatron_like.training import checkpoint_integrity, checkpoint_validation, checkpointing
-from megatron_like.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_like.training.checkpointing import checksummed_saves, load_checkpoint, save_checkpoint
 from megatron_like.training.loop import build_model_chunks
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.parallelize import parallelize
-
-
-@contextlib.contextmanager
-def crc32_options(on: bool) -> Iterator[None]:
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(on)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
 
 
 def cpu_seconds(run) -> float:
@@ -81,7 +69,7 @@ def measure(fmt: str, args: argparse.Namespace, ps: ParallelState | None) -> Par
 
     def save(crc: bool) -> None:
         shutil.rmtree(root, ignore_errors=True)
-        with mock.patch.object(checkpointing, "checksummed_saves", lambda: crc32_options(crc)):
+        with mock.patch.object(checkpointing, "checksummed_saves", lambda: checksummed_saves(crc)):
             save_checkpoint(root, 1, config, ps, model, optimizer, scheduler, 0)
 
     def load() -> None:

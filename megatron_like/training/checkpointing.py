@@ -105,11 +105,12 @@ def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
 
 
 @contextlib.contextmanager
-def checksummed_saves() -> Iterator[None]:
+def checksummed_saves(on: bool = True) -> Iterator[None]:
     """torch.save writes the CRC-32 of every record of its archive (its default, forced on here): the
-    checksums every load verifies (``checkpoint_integrity.py``)."""
+    checksums every load verifies (``checkpoint_integrity.py``). ``on=False`` writes them as zeros, as an archive
+    saved without them (benchmarks/checkpoint_verify.py measures the difference)."""
     before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)
+    torch.serialization.set_crc32_options(on)
     try:
         yield
     finally:
