@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 STAMP=.venv/.megatron_like-setup
-# Everything that changes what gets installed or compiled.
-fingerprint=$(cat pyproject.toml setup.py scripts/setup.sh csrc/*.cpp csrc/*.h 2>/dev/null | sha256sum | cut -d' ' -f1)
+# Everything that changes what gets installed or compiled (the CUDA twins too: a CUDA machine builds them).
+fingerprint=$(cat pyproject.toml setup.py scripts/setup.sh csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null | sha256sum | cut -d' ' -f1)
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$fingerprint" ] && [ -x .venv/bin/python ]; then
     exit 0
