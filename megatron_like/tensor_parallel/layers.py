@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.collectives import Group
-from megatron_like.tensor_parallel import cpu_gemm
+from megatron_like.tensor_parallel import cpu_gemm, weight_grad
 from megatron_like.tensor_parallel.initialization import InitMethod, draw_slice, new_parameter
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -127,7 +127,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = cpu_gemm.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm)
+        y = weight_grad.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -180,7 +180,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        partial = cpu_gemm.linear(x, self.weight, None, self.gemm)
+        partial = weight_grad.linear(x, self.weight, None, self.gemm)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
@@ -228,9 +228,9 @@ def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, tp_g
     """Look ids ``[b, s]`` up in this tp rank's rows ``[v / tp, h]`` of a vocabulary-split table -> ``[b, s, h]``,
     summed over tp (any table split like VocabParallelEmbedding's: the last stage's tied copy too)."""
     if tp_group is None:
-        return F.embedding(token_ids, weight)
+        return weight_grad.embedding(token_ids, weight)
     vocab_start = comm.group_rank(tp_group) * weight.shape[0]
     outside = (token_ids < vocab_start) | (token_ids >= vocab_start + weight.shape[0])
     local_ids = (token_ids - vocab_start).masked_fill(outside, 0)
-    partial = F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    partial = weight_grad.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_tensor_parallel_region(partial, tp_group)
