@@ -116,8 +116,9 @@ def deferring_weight_grads(params: Sequence[torch.Tensor]) -> Iterator[WeightGra
             p.grad = grad
 
 
-def _defer(closure: Callable[[], WeightGrads]) -> bool:
-    """Queue ``closure`` in the running B step's work; False when no B step is deferring."""
+def defer(closure: Callable[[], WeightGrads]) -> bool:
+    """Queue ``closure`` (it returns (parameter, gradient) pairs) in the running B step's work; False when no B
+    step is deferring (the caller then computes the weight gradient at once)."""
     if _work is None:
         return False
     _work.closures.append(closure)
@@ -156,7 +157,7 @@ class _SplitGemm(torch.autograd.Function):
         # Only leaves can take their gradient later: a weight computed in the forward (a cast, a fake
         # quantization) has its own graph, which this backward is about to free.
         if all(_is_trainable_leaf(p) for p, want in ((ctx.weight, wanted[0]), (bias, wanted[1])) if want):
-            if _defer(weight_grads):
+            if defer(weight_grads):
                 return None, None, dx, None, None
         dw, db = op.weight_grad(dy, x, extra, wanted[1])
         return None, None, dx, dw if wanted[0] else None, db if wanted[1] else None
