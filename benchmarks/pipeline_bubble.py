@@ -16,11 +16,10 @@ does, which the theory leaves out), and the measured window's excess over the th
 of a rank (message latency and Python between steps).
 
 ``--work sleep`` (default) gives every stage a forward of ``--forward-ms`` and a backward of twice that
-(divided among its ``v`` chunks) as sleeps, half of it the weight gradients (ZB-H1's W), so the measurement isolates the schedule and its
-communication from CPU contention: this machine has 2 cores and the processes of p = 4 would otherwise
-steal each other's cycles. ``--work gpt`` runs GPT chunks (8 layers split over the stages), meaningful
-when every rank has its own core.
-"""
+(divided among its ``v`` chunks) as sleeps, half of it the weight gradients (ZB-H1's W), so the measurement
+isolates the schedule and its communication from CPU contention: this machine has 2 cores and the processes
+of p = 4 would otherwise steal each other's cycles. ``--work gpt`` runs GPT chunks (8 layers split over the
+stages), meaningful when every rank has its own core. """
 
 from __future__ import annotations
 
@@ -205,10 +204,12 @@ def main(argv: list[str] | None = None) -> None:
                            start_method="spawn")
         rows += [results.get() for _ in layouts]
 
-    print(f"pipeline bubble, work={args.work}" + (f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep"
-          else "") + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
-    print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>14} | {'theory':>6} | {'measured':>8} {'min':>6} "
-          f"{'max':>6} | {'ratio':>5} | {'comm ms/step':>12} {'ratio if comm idle':>18} | {'excess ms/step':>14}")
+    sleep = f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep" else ""
+    print(f"pipeline bubble, work={args.work}" + sleep
+          + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
+    print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>14} | {'theory':>6} | {'measured':>8} "
+          f"{'min':>6} {'max':>6} | {'ratio':>5} | {'comm ms/step':>12} {'ratio if comm idle':>18} | "
+          f"{'excess ms/step':>14}")
     for name, p, v, m, idle, window, comm, times, steps in rows:
         # ZB-H1's bubble depends on the F, B and W times (measured here); 1F1B's and interleaved's do not.
         theory = zb_h1_bubble(p, m, times["F"], times["B"], times["W"]) if name == "zb-h1" else \

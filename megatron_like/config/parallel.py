@@ -98,4 +98,5 @@ def check_pipeline_schedule_name(pp_size: int, vp_size: int, schedule: str | Non
              "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage (more than one chunk "
              "per rank)")
     _require(schedule == "interleaved" or vp_size == 1,
-             f"--pipeline-schedule {schedule} runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage")
+             f"--pipeline-schedule {schedule} runs one model chunk per rank: drop "
+             "--num-layers-per-virtual-pipeline-stage")

@@ -27,10 +27,10 @@ The schedules:
   (``zero_bubble.py``).
 
 The pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
-:func:`interleaved_steps`, :func:`zero_bubble.zb_h1_steps`) run by one executor, :func:`run_pipeline_steps`: a step waits for its input
-(activations from the previous stage for a forward, the output gradient from the next stage for a
-backward), computes, and hands its result on. When results are sent and inputs received is the
-:func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
+:func:`interleaved_steps`, :func:`zero_bubble.zb_h1_steps`) run by one executor, :func:`run_pipeline_steps`:
+a step waits for its input (activations from the previous stage for a forward, the output gradient from the
+next stage for a backward), computes, and hands its result on. When results are sent and inputs received is
+the :func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
 every batch of a rank runs in order on one stream and waits for its peers (NCCL).
 
 Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean

@@ -13,7 +13,6 @@ Parameters carry two attributes the rest of the code reads:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_like import collectives as comm

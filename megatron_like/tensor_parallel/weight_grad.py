@@ -156,9 +156,9 @@ class _SplitGemm(torch.autograd.Function):
 
         # Only leaves can take their gradient later: a weight computed in the forward (a cast, a fake
         # quantization) has its own graph, which this backward is about to free.
-        if all(_is_trainable_leaf(p) for p, want in ((ctx.weight, wanted[0]), (bias, wanted[1])) if want):
-            if defer(weight_grads):
-                return None, None, dx, None, None
+        leaves = all(_is_trainable_leaf(p) for p, want in ((ctx.weight, wanted[0]), (bias, wanted[1])) if want)
+        if leaves and defer(weight_grads):
+            return None, None, dx, None, None
         dw, db = op.weight_grad(dy, x, extra, wanted[1])
         return None, None, dx, dw if wanted[0] else None, db if wanted[1] else None
 

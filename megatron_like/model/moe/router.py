@@ -55,7 +55,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_like import collectives as comm
