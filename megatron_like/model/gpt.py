@@ -125,6 +125,9 @@ class GPTModel(nn.Module):
                 bias=False, sequence_parallel=sequence_parallel,
                 skip_weight_param_allocation=reuse_embedding, dtype=dtype, device=ps.device,
                 gemm_backend=config.cpu_gemm_backend,
+                # Zero-bubble schedules: W would keep the logits' gradient [s, b, v / tp] (v / h times the
+                # layer's input) for every pending micro batch, on the last stage, which has the most pending.
+                defer_weight_grad=False,
             )
             if self.share_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True

@@ -78,6 +78,8 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
     ``skip_bias_add`` leaves the bias out of the output so the caller can fuse it into what follows.
     ``gemm_backend``: ``--cpu-gemm-backend`` (MKL or oneDNN for fp32 on CPU, see ``cpu_gemm.py``).
+    ``defer_weight_grad``: in a zero-bubble schedule, compute the weight gradient in the W step
+    (``weight_grad.py``); False computes it during B (the output layer: its output gradient is too large to keep).
     """
 
     def __init__(
@@ -95,12 +97,14 @@ class ColumnParallelLinear(nn.Module):
         skip_weight_param_allocation: bool = False,
         skip_bias_add: bool = False,
         gemm_backend: str = "auto",
+        defer_weight_grad: bool = True,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
         self.gemm = cpu_gemm.resolve_backend(gemm_backend)
+        self.defer_weight_grad = defer_weight_grad
         if output_size % tp_size != 0:
             raise ValueError(f"{name}: output size {output_size} does not split over {tp_size} ranks")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
@@ -126,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = weight_grad.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm)
+        y = weight_grad.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm, self.defer_weight_grad)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

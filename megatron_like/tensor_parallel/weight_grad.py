@@ -52,6 +52,8 @@ class WeightGradWork:
 
     closures: list[Callable[[], WeightGrads]] = field(default_factory=list)
     parked: WeightGrads = field(default_factory=list)
+    kept_bytes: int = 0
+    """Bytes of the tensors the closures keep (each op's input and output gradient) from B until W."""
     done: bool = False
 
     def run(self) -> None:
@@ -116,12 +118,14 @@ def deferring_weight_grads(params: Sequence[torch.Tensor]) -> Iterator[WeightGra
             p.grad = grad
 
 
-def defer(closure: Callable[[], WeightGrads]) -> bool:
-    """Queue ``closure`` (it returns (parameter, gradient) pairs) in the running B step's work; False when no B
-    step is deferring (the caller then computes the weight gradient at once)."""
+def defer(closure: Callable[[], WeightGrads], kept: Sequence[torch.Tensor] = ()) -> bool:
+    """Queue ``closure`` (it returns (parameter, gradient) pairs) in the running B step's work, keeping the
+    tensors ``kept`` (counted in ``kept_bytes``); False when no B step is deferring (the caller then computes the
+    weight gradient at once)."""
     if _work is None:
         return False
     _work.closures.append(closure)
+    _work.kept_bytes += sum(t.numel() * t.element_size() for t in kept)
     return True
 
 
@@ -157,7 +161,7 @@ class _SplitGemm(torch.autograd.Function):
         # Only leaves can take their gradient later: a weight computed in the forward (a cast, a fake
         # quantization) has its own graph, which this backward is about to free.
         leaves = all(_is_trainable_leaf(p) for p, want in ((ctx.weight, wanted[0]), (bias, wanted[1])) if want)
-        if leaves and defer(weight_grads):
+        if leaves and defer(weight_grads, kept=(x, dy)):
             return None, None, dx, None, None
         dw, db = op.weight_grad(dy, x, extra, wanted[1])
         return None, None, dx, dw if wanted[0] else None, db if wanted[1] else None
@@ -218,10 +222,11 @@ class _GroupedOp:
         return dw, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
+           defer: bool = True) -> torch.Tensor:
     """``x [..., in] @ weight[out, in]^T + bias`` -> ``[..., out]``; inside :func:`split_backward` its weight
-    gradient waits for the W step."""
-    if not (is_split() and torch.is_grad_enabled() and weight.requires_grad):
+    gradient waits for the W step (unless ``defer`` is False)."""
+    if not (defer and is_split() and torch.is_grad_enabled() and weight.requires_grad):
         return cpu_gemm.linear(x, weight, bias, backend)
     return _SplitGemm.apply(_LinearOp, backend, x, weight, bias)
 
