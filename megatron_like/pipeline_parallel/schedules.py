@@ -308,8 +308,9 @@ def run_pipeline_steps(
                         inputs[key], outputs[key] = received, output
                     result = output
                 elif step.kind == "B" and split:
-                    with weight_grad.deferring_weight_grads(params[step.chunk]) as awaiting_w[key]:
+                    with weight_grad.deferring_weight_grads(params[step.chunk]) as work:
                         result = backward_step(inputs.pop(key), outputs.pop(key), received)
+                    awaiting_w[key] = work
                 elif step.kind == "B":
                     result = backward_step(inputs.pop(key), outputs.pop(key), received)
                 else:
