@@ -5,13 +5,14 @@ A zero-bubble schedule (``pipeline_parallel/zero_bubble.py``) runs each micro ba
 * **B** backpropagates to the chunk's input and sends that gradient on (the critical path of the pipeline);
 * **W** computes the weight gradients, whenever the schedule has a gap to fill.
 
-The heavy weight gradients (every GEMM: the tensor-parallel linears including the output layer, the MoE router,
-the experts' grouped GEMM, and the vocabulary-parallel embedding's scatter-add) are computed by ops whose
+The heavy weight gradients (every GEMM: the tensor-parallel linears but the output layer, the MoE router, the
+experts' grouped GEMM, and the word and position embeddings' scatter-add) are computed by ops whose
 backward returns only the input gradient and hands the weight gradient to a closure that keeps just what it
 needs: the op's input and its output gradient (for a column-parallel linear under sequence parallelism that
 is the all-gathered input the forward already kept: *kept*, not gathered again). The closures of one B step
 are a :class:`WeightGradWork`; the schedule's W step runs it. Every other parameter (norms, the biases fused
-into kernels, the learned position table: reductions of ``O(s b h)``) gets its gradient during B, *parked*
+into kernels: reductions of ``O(s b h)``; the output layer, whose output gradient is too large to keep) gets
+its gradient during B, *parked*
 off ``.grad`` in the same work and handed over in W. So every parameter's gradient reaches ``.grad`` (and the
 data-parallel buffer's hook, ``distributed/buffers.py``, which starts DP reductions and ZeRO) in W only, once
 per micro batch: a chunk's reduction starts after its last W.
@@ -61,13 +62,17 @@ class WeightGradWork:
         (through autograd, so post-accumulate hooks run as after a plain backward)."""
         if self.done:
             raise RuntimeError("a W step ran twice for the same micro batch and chunk")
+        self.done = True
         totals: dict[int, list] = {}
-        for param, grad in self.parked + [pair for closure in self.closures for pair in closure()]:
-            if id(param) in totals:
-                totals[id(param)][1] = totals[id(param)][1] + grad
-            else:
-                totals[id(param)] = [param, grad]
-        self.closures, self.parked, self.done = [], [], True
+        pairs, self.parked = self.parked, []
+        while pairs or self.closures:
+            for param, grad in pairs:
+                if id(param) in totals:
+                    totals[id(param)][1] = totals[id(param)][1] + grad
+                else:
+                    totals[id(param)] = [param, grad]
+            # Dropping each closure once it ran frees what it kept (its op's input and output gradient).
+            pairs = self.closures.pop(0)() if self.closures else []
         if totals:
             params, grads = zip(*totals.values())
             torch.autograd.backward(list(params), list(grads))
