@@ -20,6 +20,8 @@ The data-parallel modes also run on 4 processes (``--world-size 4 --modes dp zer
   (ColwiseParallel / RowwiseParallel / SequenceParallel, torchtitan's plan) with ``loss_parallel``.
 - ``pp`` / ``pp-interleaved``: our 1F1B / interleaved 1F1B vs ``torch.distributed.pipelining``'s
   ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, 8 micro batches of one sample, one layer per virtual stage.
+- ``pp-zb-h1``: our ``--pipeline-schedule zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank
+  (torch's zero-bubble schedule with input and weight backward split, the same placement as ours).
 
 Both sides train the same architecture on the same tokens with the same AdamW (lr, betas, eps, weight decay
 on matrices only) and gradient clipping at 1.0. dp and zero3 wrap our own ``GPTModel`` of one process (tied
@@ -88,7 +90,7 @@ from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.optimizer import param_groups  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 
-MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp", "pp", "pp-interleaved")
+MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp", "pp", "pp-interleaved", "pp-zb-h1")
 DATA_PARALLEL_MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch")  # these also run on 4 processes
 # tp and pp compare with a plain GPT whose head is untied and which has no position table (DTensor's plan and
 # the pipeline split are simplest that way); ours runs the same architecture through its flags.
@@ -104,6 +106,7 @@ OUR_FLAGS = {
     # one layer per virtual stage: 2 (default sizes) or 3 (--issue-sizes) chunks per rank
     "pp-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     + _PLAIN_GPT,
+    "pp-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + _PLAIN_GPT,
 }
 MARK = "parallel_overhead.measured_step"
 Step = Callable[[], None]
@@ -375,9 +378,11 @@ def build_dtensor_tp(config: Config, tokens: torch.Tensor) -> Step:
     return step
 
 
-def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -> Step:
-    """``torch.distributed.pipelining`` stages cut from PlainGPT; the grad norm is all-reduced over stages."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+def _build_pipelining(config: Config, tokens: torch.Tensor, schedule_class: str) -> Step:
+    """``torch.distributed.pipelining`` stages cut from PlainGPT, run by ``schedule_class`` (a name in
+    ``torch.distributed.pipelining``); the grad norm is all-reduced over stages."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     vocab = config.padded_vocab_size(config.model.vocab_size)
@@ -397,8 +402,9 @@ def _build_pipelining(config: Config, tokens: torch.Tensor, interleaved: bool) -
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
     microbatches = config.num_microbatches
-    schedule = (ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn) if interleaved
-                else Schedule1F1B(stages[0], microbatches, loss_fn=loss_fn))
+    schedule_type = getattr(pipelining, schedule_class)
+    multi = schedule_class != "Schedule1F1B"  # the multi-stage schedules take a list of stages
+    schedule = schedule_type(stages if multi else stages[0], microbatches, loss_fn=loss_fn)
     params = [p for m in modules for p in m.parameters()]
     optimizer = _adamw(config, nn.ModuleList(modules), fused=True)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
@@ -425,8 +431,11 @@ PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
     "zero3": ("FSDP2 fully_shard", build_fsdp2),
     "zero3-prefetch": ("FSDP2 fully_shard", build_fsdp2),
     "tp": ("DTensor TP+SP, loss_parallel", build_dtensor_tp),
-    "pp": ("pipelining Schedule1F1B", lambda c, t: _build_pipelining(c, t, interleaved=False)),
-    "pp-interleaved": ("pipelining ScheduleInterleaved1F1B", lambda c, t: _build_pipelining(c, t, interleaved=True)),
+    "pp": ("pipelining Schedule1F1B", lambda c, t: _build_pipelining(c, t, "Schedule1F1B")),
+    "pp-interleaved": ("pipelining ScheduleInterleaved1F1B",
+                       lambda c, t: _build_pipelining(c, t, "ScheduleInterleaved1F1B")),
+    "pp-zb-h1": ("pipelining ScheduleInterleavedZeroBubble",
+                 lambda c, t: _build_pipelining(c, t, "ScheduleInterleavedZeroBubble")),
 }
 
 

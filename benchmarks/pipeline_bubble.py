@@ -1,5 +1,6 @@
-"""Pipeline bubble: the measured idle fraction of each rank under 1F1B and interleaved 1F1B, against the
-theory ``(p - 1) / (v * m + p - 1)``.
+"""Pipeline bubble: the measured idle fraction of each rank under 1F1B, interleaved 1F1B and ZB-H1, against the
+theory: ``(p - 1) / (v * m + p - 1)``, and for ZB-H1 ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` from the
+measured step times (``zero_bubble.zb_h1_bubble``).
 
     python benchmarks/pipeline_bubble.py                          # sleep stages, p in {2, 4}, v in {1, 2}
     python benchmarks/pipeline_bubble.py --work gpt --pp 2        # real GPT chunks (one core per rank)
@@ -15,11 +16,10 @@ does, which the theory leaves out), and the measured window's excess over the th
 of a rank (message latency and Python between steps).
 
 ``--work sleep`` (default) gives every stage a forward of ``--forward-ms`` and a backward of twice that
-(divided among its ``v`` chunks) as sleeps, so the measurement isolates the schedule and its
-communication from CPU contention: this machine has 2 cores and the processes of p = 4 would otherwise
-steal each other's cycles. ``--work gpt`` runs GPT chunks (8 layers split over the stages), meaningful
-when every rank has its own core.
-"""
+(divided among its ``v`` chunks) as sleeps, half of it the weight gradients (ZB-H1's W), so the measurement
+isolates the schedule and its communication from CPU contention: this machine has 2 cores and the processes
+of p = 4 would otherwise steal each other's cycles. ``--work gpt`` runs GPT chunks (8 layers split over the
+stages), meaningful when every rank has its own core. """
 
 from __future__ import annotations
 
@@ -46,33 +46,47 @@ from megatron_like.model import chunk_layers  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func  # noqa: E402
 from megatron_like.pipeline_parallel.trace import TraceEvent, chrome_trace, idle_fractions, theoretical_bubble  # noqa: E402
+from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble  # noqa: E402
+from megatron_like.tensor_parallel import weight_grad  # noqa: E402
 
 
 class _Sleep(torch.autograd.Function):
-    """Identity whose forward and backward take a fixed time (a stand-in for a stage's compute)."""
+    """``x * weight`` whose forward and backward take fixed times (a stand-in for a stage's compute). The
+    backward's input-gradient part sleeps ``backward_s``, its weight-gradient part ``weight_s``: right away, or
+    in the W step of a zero-bubble schedule (``weight_grad.defer``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        ctx.backward_s = backward_s
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, forward_s: float, backward_s: float,
+                weight_s: float) -> torch.Tensor:
+        ctx.backward_s, ctx.weight_s, ctx.weight = backward_s, weight_s, weight
+        ctx.save_for_backward(x)
         time.sleep(forward_s)
-        return x.clone()
+        return x * weight
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None, None, None]:
+        (x,) = ctx.saved_tensors
         time.sleep(ctx.backward_s)
-        return grad, None, None
+
+        def weight_grads() -> list[tuple[torch.Tensor, torch.Tensor]]:
+            time.sleep(ctx.weight_s)
+            return [(ctx.weight, (grad * x).sum())]
+
+        if weight_grad.defer(weight_grads):
+            return grad * ctx.weight, None, None, None, None
+        return grad * ctx.weight, weight_grads()[0][1], None, None, None
 
 
 class SleepChunk(nn.Module):
     """A pipeline chunk ``[s, b, h] -> [s, b, h]`` with the attributes the schedules read."""
 
     def __init__(self, ps: ParallelState, shape: tuple[int, int, int], forward_s: float, backward_s: float,
-                 pre_process: bool) -> None:
+                 weight_s: float, pre_process: bool) -> None:
         super().__init__()
         self.ps, self.shape, self.pre_process = ps, shape, pre_process
         self.config = SimpleNamespace(seq_length=shape[0], hidden_size=shape[2])
         self.sequence_parallel = False
-        self.forward_s, self.backward_s = forward_s, backward_s
+        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
         self.weight = nn.Parameter(torch.ones(()))
         self.input_tensor: torch.Tensor | None = None
 
@@ -81,7 +95,7 @@ class SleepChunk(nn.Module):
 
     def forward(self) -> torch.Tensor:
         x = torch.ones(self.shape) if self.pre_process else self.input_tensor
-        return _Sleep.apply(x * self.weight, self.forward_s, self.backward_s)
+        return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s, self.weight_s)
 
 
 def sleep_forward_step(data_iterator, chunk: SleepChunk):
@@ -93,7 +107,8 @@ def sleep_forward_step(data_iterator, chunk: SleepChunk):
 def build_sleep_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     forward_s = args.forward_ms / 1000 / vp
-    return [SleepChunk(ps, shape, forward_s, 2 * forward_s, ps.is_first_stage and c == 0) for c in range(vp)], \
+    # A backward of twice the forward, half of it the weight gradients (W = B = F, the paper's setting).
+    return [SleepChunk(ps, shape, forward_s, forward_s, forward_s, ps.is_first_stage and c == 0) for c in range(vp)], \
         sleep_forward_step, itertools.repeat(None)
 
 
@@ -131,10 +146,10 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
     torch.set_num_threads(1)
     ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
     build = build_sleep_chunks if args.work == "sleep" else build_gpt_chunks
-    for vp, m in layouts:
+    for name, vp, m in layouts:
         chunks, forward_step_func, data = build(ps, vp, args)
-        schedule = get_forward_backward_func(ps.pp_size, vp)
-        measured, events = [], []  # (idle fraction per rank, window, comm per step) of each timed iteration
+        schedule = get_forward_backward_func(ps.pp_size, vp, name)
+        measured, events = [], []  # (idle fraction per rank, window, comm per step, step times) per timed iteration
         for iteration in range(args.warmup + args.iterations):
             trace = ScheduleTrace()
             dist.barrier()
@@ -145,14 +160,17 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
             if iteration >= args.warmup:
                 window = max(e.end for ev in gathered for e in ev) - min(e.start for ev in gathered for e in ev)
                 steps = [e for ev in gathered for e in ev]
-                measured.append((idle_fractions(gathered), window, statistics.mean(e.comm for e in steps)))
+                step_times = {kind: statistics.mean(e.end - e.start - e.comm for e in steps if e.kind == kind)
+                              for kind in {e.kind for e in steps}}
+                measured.append((idle_fractions(gathered), window, statistics.mean(e.comm for e in steps),
+                                 step_times, len(gathered[0])))
                 events = gathered
         if rank == 0:
             measured.sort(key=lambda iteration: statistics.mean(iteration[0]))
-            results.put((world_size, vp, m, *measured[len(measured) // 2]))
+            results.put((name, world_size, vp, m, *measured[len(measured) // 2]))
             if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
-                with open(os.path.join(args.trace_dir, f"{args.work}-p{world_size}-v{vp}-m{m}.json"), "w") as f:
+                with open(os.path.join(args.trace_dir, f"{args.work}-{name}-p{world_size}-v{vp}-m{m}.json"), "w") as f:
                     json.dump(chrome_trace(events), f)
     dist.barrier()
     dist.destroy_process_group()
@@ -163,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", choices=("sleep", "gpt"), default="sleep")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes p")
     parser.add_argument("--vp", type=int, nargs="+", default=[1, 2], help="virtual stages per rank v")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"],
+                        help="--pipeline-schedule values (interleaved runs each v > 1, the others v = 1)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="micro batches m")
     parser.add_argument("--forward-ms", type=float, default=100.0, help="sleep work: forward time of a stage")
     parser.add_argument("--gpt-layers", type=int, default=8)
@@ -177,26 +197,33 @@ def main(argv: list[str] | None = None) -> None:
     ctx = mp.get_context("spawn")
     rows = []
     for p in args.pp:
-        layouts = [(v, m) for v in args.vp for m in args.microbatches
-                   if (v == 1 or m % p == 0) and args.gpt_layers % (p * v) == 0]
+        layouts = [(name, v, m) for name in args.schedules for v in args.vp for m in args.microbatches
+                   if (v > 1) == (name == "interleaved") and (v == 1 or m % p == 0) and args.gpt_layers % (p * v) == 0]
         results = ctx.Queue()
         mp.start_processes(worker, args=(p, free_port(), layouts, args, results), nprocs=p,
                            start_method="spawn")
         rows += [results.get() for _ in layouts]
 
-    print(f"pipeline bubble, work={args.work}" + (f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep"
-          else "") + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
-    print(f"{'p':>2} {'v':>2} {'m':>3} | {'theory':>6} | {'measured':>8} {'min':>6} {'max':>6} | {'ratio':>5} | "
-          f"{'comm ms/step':>12} {'ratio if comm idle':>18} | {'excess ms/step':>14}")
-    for p, v, m, idle, window, comm in rows:
-        theory, mean = theoretical_bubble(p, v, m), statistics.mean(idle)
+    sleep = f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep" else ""
+    print(f"pipeline bubble, work={args.work}" + sleep
+          + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
+    print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>14} | {'theory':>6} | {'measured':>8} "
+          f"{'min':>6} {'max':>6} | {'ratio':>5} | {'comm ms/step':>12} {'ratio if comm idle':>18} | "
+          f"{'excess ms/step':>14}")
+    for name, p, v, m, idle, window, comm, times, steps in rows:
+        # ZB-H1's bubble depends on the F, B and W times (measured here); 1F1B's and interleaved's do not.
+        theory = zb_h1_bubble(p, m, times["F"], times["B"], times["W"]) if name == "zb-h1" else \
+            theoretical_bubble(p, v, m)
+        mean = statistics.mean(idle)
         # The window the measured busy time would need with exactly the theoretical bubble; the rest is
-        # overhead (communication, Python between steps, other processes), spread over a rank's 2*v*m steps.
+        # overhead (communication, Python between steps, other processes), spread over a rank's steps.
         ideal_window = window * (1 - mean) / (1 - theory)
-        excess_ms = (window - ideal_window) / (2 * v * m) * 1000
-        idle_with_comm = mean + comm * 2 * v * m / window  # as if issuing p2p batches were idle time too
-        print(f"{p:>2} {v:>2} {m:>3} | {theory:6.3f} | {mean:8.3f} {min(idle):6.3f} {max(idle):6.3f} | "
-              f"{mean / theory:5.2f} | {comm * 1000:12.2f} {idle_with_comm / theory:18.2f} | {excess_ms:14.2f}")
+        excess_ms = (window - ideal_window) / steps * 1000
+        idle_with_comm = mean + comm * steps / window  # as if issuing p2p batches were idle time too
+        fbw = "/".join(f"{times[k] * 1000:.0f}" for k in "FBW" if k in times)
+        print(f"{name:>11} {p:>2} {v:>2} {m:>3} | {fbw:>14} | {theory:6.3f} | {mean:8.3f} {min(idle):6.3f} "
+              f"{max(idle):6.3f} | {mean / theory:5.2f} | {comm * 1000:12.2f} {idle_with_comm / theory:18.2f} | "
+              f"{excess_ms:14.2f}")
 
 if __name__ == "__main__":
     main()

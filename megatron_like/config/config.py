@@ -139,6 +139,7 @@ class Config:
                 f"{m.num_layers // pp} layers of each pipeline stage (--num-layers {m.num_layers} / "
                 f"--pipeline-model-parallel-size {pp})",
             )
+        p.validate_pipeline_schedule(self.virtual_pipeline_size)
         dp = self.data_parallel_size
         self.validate_moe_layout()
         if t.global_batch_size is not None:

@@ -20,6 +20,10 @@ class ParallelConfig:
     """Pipeline stages that split the layers."""
     num_layers_per_virtual_pipeline_stage: Annotated[int | None, POSITIVE] = None
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1"] | None = None
+    """The pipeline schedule (docs/pipeline.md). Default: interleaved with --num-layers-per-virtual-pipeline-stage,
+    else 1f1b. zb-h1: 1F1B whose backwards are split into input gradients (B) and weight gradients (W), the W
+    steps filling the pipeline bubble (Qi et al., ICLR 2024), at 1F1B's first-stage activation memory."""
     context_parallel_size: Annotated[int, POSITIVE] = 1
     """Processes that split each sequence (context parallelism): each holds 2 of the 2 x cp load-balanced chunks
     and attention exchanges keys and values (--cp-comm-type); docs/context_parallel.md."""
@@ -64,6 +68,10 @@ class ParallelConfig:
                  "without ZeRO no parameters are gathered")
 
 
+    def validate_pipeline_schedule(self, vp_size: int) -> None:
+        """--pipeline-schedule fits --pipeline-model-parallel-size and the ``vp_size`` model chunks per rank."""
+        check_pipeline_schedule_name(self.pipeline_model_parallel_size, vp_size, self.pipeline_schedule)
+
     def validate_context_parallel(self) -> None:
         """--cp-comm-type and --hierarchical-context-parallel-sizes agree with --context-parallel-size."""
         cp, sizes = self.context_parallel_size, self.hierarchical_context_parallel_sizes
@@ -75,3 +83,20 @@ class ParallelConfig:
         _require(all(size >= 1 for size in sizes) and sizes[0] * sizes[1] == cp,
                  f"--hierarchical-context-parallel-sizes {sizes[0]} {sizes[1]}: their product must be "
                  f"--context-parallel-size {cp}")
+
+
+def check_pipeline_schedule_name(pp_size: int, vp_size: int, schedule: str | None) -> None:
+    """Raise ConfigError (one line) when ``--pipeline-schedule`` does not fit the layout (None: the default)."""
+    _require(vp_size == 1 or pp_size > 1,
+             "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+    if schedule is None:
+        return
+    _require(schedule in ("1f1b", "interleaved", "zb-h1"),
+             f"--pipeline-schedule {schedule}: expected one of 1f1b, interleaved, zb-h1")
+    _require(pp_size > 1, f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
+    _require(schedule != "interleaved" or vp_size > 1,
+             "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage (more than one chunk "
+             "per rank)")
+    _require(schedule == "interleaved" or vp_size == 1,
+             f"--pipeline-schedule {schedule} runs one model chunk per rank: drop "
+             "--num-layers-per-virtual-pipeline-stage")

@@ -67,6 +67,7 @@ from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.parallel_state import ParallelState
+from megatron_like.tensor_parallel import weight_grad
 from megatron_like.tensor_parallel.initialization import is_deferred, materialize
 
 
@@ -286,6 +287,8 @@ class ParamAndGradBuffer:
     # ---------------------------------------------------------------- backward hooks
     def _make_grad_hook(self, bucket: Bucket, start: int, end: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
+            if weight_grad.is_deferring():
+                return  # a zero-bubble B step: the gradient stays parked until its W step hands it over
             grad = param.grad
             if bucket.grad_flat is None and grad.numel() == bucket.numel and grad.dtype == torch.float32 \
                     and grad.is_contiguous() and grad.untyped_storage().nbytes() == 4 * grad.numel():

@@ -29,6 +29,7 @@ from megatron_like.tensor_parallel import (
     normal_init,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
+    weight_grad,
 )
 from megatron_like.tensor_parallel.initialization import draw_slice
 
@@ -79,7 +80,7 @@ class GPTEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         x = self.word_embeddings(input_ids)  # (b, s, h)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(position_ids)
+            x = x + weight_grad.embedding(position_ids, self.position_embeddings.weight)  # split in zero-bubble
         return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
 
 
@@ -124,6 +125,9 @@ class GPTModel(nn.Module):
                 bias=False, sequence_parallel=sequence_parallel,
                 skip_weight_param_allocation=reuse_embedding, dtype=dtype, device=ps.device,
                 gemm_backend=config.cpu_gemm_backend,
+                # Zero-bubble schedules: W would keep the logits' gradient [s, b, v / tp] (v / h times the
+                # layer's input) for every pending micro batch, on the last stage, which has the most pending.
+                defer_weight_grad=False,
             )
             if self.share_embeddings and not pre_process:
                 self.output_layer.weight.shared_embedding = True

@@ -13,7 +13,7 @@ micro batch's tokens) and ``stats`` detached scalars for logging. ``model`` is t
 model chunks (one per virtual stage). A pipelined chunk exposes ``ps`` (its ParallelState), ``config``
 (``hidden_size``, ``seq_length``), ``sequence_parallel`` and ``set_input_tensor(t)``, as GPTModel does.
 
-The three schedules:
+The schedules:
 
 * :func:`forward_backward_no_pipelining`: one stage, gradient accumulation.
 * :func:`forward_backward_pipelining_without_interleaving`: 1F1B. Rank r runs ``pp - r - 1`` warmup
@@ -22,12 +22,15 @@ The three schedules:
 * :func:`forward_backward_pipelining_with_interleaving`: 1F1B over ``vp`` model chunks per rank (chunk
   c of rank r is virtual stage ``c * pp + r``). Micro batches go through the chunks in groups of
   ``pp``, which shrinks the bubble from ``(p - 1) / (m + p - 1)`` to ``(p - 1) / (v * m + p - 1)``.
+* :func:`forward_backward_pipelining_zero_bubble`: ZB-H1 (``--pipeline-schedule zb-h1``): 1F1B with each
+  backward split into B (input gradient) and W (weight gradients), the W steps filling the bubble
+  (``zero_bubble.py``).
 
-Both pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
-:func:`interleaved_steps`) run by one executor, :func:`run_pipeline_steps`: a step waits for its input
-(activations from the previous stage for a forward, the output gradient from the next stage for a
-backward), computes, and hands its result on. When results are sent and inputs received is the
-:func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
+The pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
+:func:`interleaved_steps`, :func:`zero_bubble.zb_h1_steps`) run by one executor, :func:`run_pipeline_steps`:
+a step waits for its input (activations from the previous stage for a forward, the output gradient from the
+next stage for a backward), computes, and hands its result on. When results are sent and inputs received is
+the :func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
 every batch of a rank runs in order on one stream and waits for its peers (NCCL).
 
 Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean
@@ -47,8 +50,11 @@ import torch
 from torch import nn
 
 from megatron_like.config import ConfigError
+from megatron_like.config.parallel import check_pipeline_schedule_name
 from megatron_like.pipeline_parallel.p2p import PipelineP2P, Received, pipeline_tensor_shape
 from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, StepTiming, active_trace
+from megatron_like.pipeline_parallel.zero_bubble import check_weight_steps, zb_h1_steps
+from megatron_like.tensor_parallel import weight_grad
 
 LossStats = dict[str, torch.Tensor]
 ForwardStepFunc = Callable[[Iterator | None, nn.Module], tuple[torch.Tensor, Callable]]
@@ -173,7 +179,8 @@ def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_siz
 
     A forward receives its input unless it runs the first chunk (chunk 0 of rank 0) and sends its output
     unless it runs the last chunk (which computes the loss); a backward receives its output gradient
-    unless it runs the last chunk and sends its input gradient unless it runs the first.
+    unless it runs the last chunk and sends its input gradient unless it runs the first. A W step
+    (zero-bubble schedules) neither receives nor sends.
 
     The steps are cut into slots: one step each, except that with interleaving a forward and the
     backward right after it in the steady phase (after the warmup forwards) share a slot. After each
@@ -193,14 +200,15 @@ def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_siz
         return pp_rank == pp_size - 1 and step.chunk == vp_size - 1
 
     def receives_input(step: Step) -> bool:
-        return not (is_first_chunk(step) if step.kind == "F" else is_last_chunk(step))
+        return step.kind != "W" and not (is_first_chunk(step) if step.kind == "F" else is_last_chunk(step))
 
     def sends_result(step: Step) -> bool:
-        return not (is_last_chunk(step) if step.kind == "F" else is_first_chunk(step))
+        return step.kind != "W" and not (is_last_chunk(step) if step.kind == "F" else is_first_chunk(step))
 
     slots = [[i] for i in range(len(steps))]
     forwards = sum(step.kind == "F" for step in steps)
-    if vp_size > 1 and forwards < len(steps):  # interleaved training: pair the steady phase
+    interleaved = vp_size > 1 and not any(step.kind == "W" for step in steps)
+    if interleaved and forwards < len(steps):  # interleaved training: pair the steady phase
         warmup = interleaved_warmup(pp_size, pp_rank, forwards // vp_size, vp_size)
         cooldown = warmup + 2 * (forwards - warmup)
         slots = slots[:warmup] + [[i, i + 1] for i in range(warmup, cooldown, 2)] + slots[cooldown:]
@@ -247,7 +255,10 @@ def run_pipeline_steps(
     :func:`communication_plan` says.
 
     Inputs and outputs of a (chunk, micro batch) are kept from its forward to its backward and
-    dropped right after, so the memory held is that of the micro batches in flight. A traced step spans
+    dropped right after, so the memory held is that of the micro batches in flight. Where the order has
+    W steps, the forwards build split ops and each B step leaves its weight gradients to the W step of the
+    same (chunk, micro batch) (``tensor_parallel/weight_grad.py``); every parameter's ``.grad`` (and the
+    data-parallel reduction behind it) is then written by W steps only. A traced step spans
     its compute and the batch of p2p operations issued after it (recorded apart as ``comm``), so the
     trace's gaps are the time a rank waited for a neighbour.
     """
@@ -257,6 +268,11 @@ def run_pipeline_steps(
     def is_last_chunk(step: Step) -> bool:
         return ps.is_last_stage and step.chunk == vp - 1
 
+    split = any(step.kind == "W" for step in steps)
+    if split:
+        check_weight_steps(steps)
+    params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model] if split else []
+    awaiting_w: dict[tuple[int, int], weight_grad.WeightGradWork] = {}  # (chunk, micro batch) -> its W work
     plan = {post.after: post for post in communication_plan(steps, ps.pp_size, ps.pp_rank, vp)}
     sent = {i for post in plan.values() for i in post.sends}
     results: dict[int, torch.Tensor] = {}  # step index -> its result, until the batch that sends it
@@ -277,25 +293,33 @@ def run_pipeline_steps(
     stats: list[LossStats] = []
     if -1 in plan:
         issue(plan[-1])
-    for i, step in enumerate(steps):
-        received = receiving.pop(i).wait() if i in receiving else None
-        key = (step.chunk, step.microbatch)
-        with _span(trace, ps.pp_rank, run, step) as timing:
-            if step.kind == "F":
-                if received is not None and not forward_only:
-                    received.requires_grad_()
-                output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
-                                      received, num_microbatches, is_last_chunk(step), stats)
-                if not forward_only:
-                    inputs[key], outputs[key] = received, output
-                result = output
-            else:
-                result = backward_step(inputs.pop(key), outputs.pop(key), received)
-            if i in sent:
-                results[i] = result
-            if i in plan:
-                timing.handoff = time.perf_counter()
-                issue(plan[i])
+    with weight_grad.split_backward() if split else contextlib.nullcontext():
+        for i, step in enumerate(steps):
+            received = receiving.pop(i).wait() if i in receiving else None
+            key = (step.chunk, step.microbatch)
+            with _span(trace, ps.pp_rank, run, step) as timing:
+                result = None
+                if step.kind == "F":
+                    if received is not None and not forward_only:
+                        received.requires_grad_()
+                    output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
+                                          received, num_microbatches, is_last_chunk(step), stats)
+                    if not forward_only:
+                        inputs[key], outputs[key] = received, output
+                    result = output
+                elif step.kind == "B" and split:
+                    with weight_grad.deferring_weight_grads(params[step.chunk]) as work:
+                        result = backward_step(inputs.pop(key), outputs.pop(key), received)
+                    awaiting_w[key] = work
+                elif step.kind == "B":
+                    result = backward_step(inputs.pop(key), outputs.pop(key), received)
+                else:
+                    awaiting_w.pop(key).run()
+                if i in sent:
+                    results[i] = result
+                if i in plan:
+                    timing.handoff = time.perf_counter()
+                    issue(plan[i])
     p2p.wait_for_sends()
     return stats
 
@@ -325,6 +349,21 @@ def _chunk_data_iterators(data_iterator: Iterator | list[Iterator | None] | None
     return list(itertools.tee(data_iterator, vp))
 
 
+def _run_one_chunk_order(order: Callable[..., list[Step]], forward_step_func: ForwardStepFunc,
+                         data_iterator: Iterator[Any] | None, model: list[nn.Module], num_microbatches: int,
+                         forward_only: bool, seq_length: int | None, micro_batch_size: int | None,
+                         trace: ScheduleTrace | None) -> list[LossStats]:
+    """Run ``order(pp_size, pp_rank, num_microbatches, forward_only)`` on this rank's one model chunk."""
+    if len(model) != 1:
+        raise ValueError(f"this schedule runs one model chunk per rank, got {len(model)}")
+    ps = model[0].ps
+    check_pipeline_schedule(ps.pp_size, 1, num_microbatches)
+    steps = order(ps.pp_size, ps.pp_rank, num_microbatches, forward_only)
+    return run_pipeline_steps(steps, forward_step_func, [data_iterator], model, num_microbatches,
+                              _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
+                              trace or active_trace())
+
+
 def forward_backward_pipelining_without_interleaving(
     forward_step_func: ForwardStepFunc,
     data_iterator: Iterator[Any] | None,
@@ -337,14 +376,24 @@ def forward_backward_pipelining_without_interleaving(
     trace: ScheduleTrace | None = None,
 ) -> list[LossStats]:
     """1F1B over the pipeline stages, one model chunk per rank (see the module docstring)."""
-    if len(model) != 1:
-        raise ValueError(f"the non-interleaved schedule runs one model chunk per rank, got {len(model)}")
-    ps = model[0].ps
-    check_pipeline_schedule(ps.pp_size, 1, num_microbatches)
-    steps = one_f_one_b_steps(ps.pp_size, ps.pp_rank, num_microbatches, forward_only)
-    return run_pipeline_steps(steps, forward_step_func, [data_iterator], model, num_microbatches,
-                              _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
-                              trace or active_trace())
+    return _run_one_chunk_order(one_f_one_b_steps, forward_step_func, data_iterator, model, num_microbatches,
+                                forward_only, seq_length, micro_batch_size, trace)
+
+
+def forward_backward_pipelining_zero_bubble(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | None,
+    model: list[nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """ZB-H1 over the pipeline stages, one model chunk per rank: 1F1B with split backwards (``zero_bubble.py``)."""
+    return _run_one_chunk_order(zb_h1_steps, forward_step_func, data_iterator, model, num_microbatches,
+                                forward_only, seq_length, micro_batch_size, trace)
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -370,12 +419,15 @@ def forward_backward_pipelining_with_interleaving(
                               trace or active_trace())
 
 
-def get_forward_backward_func(pp_size: int, vp_size: int = 1) -> Callable[..., list[LossStats]]:
-    """The schedule for this layout: no pipelining, 1F1B, or interleaved 1F1B."""
-    if vp_size > 1 and pp_size == 1:
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+def get_forward_backward_func(pp_size: int, vp_size: int = 1,
+                              schedule: str | None = None) -> Callable[..., list[LossStats]]:
+    """The schedule for this layout: no pipelining, 1F1B, interleaved 1F1B (the default by ``vp_size``), or
+    the named ``--pipeline-schedule``."""
+    check_pipeline_schedule_name(pp_size, vp_size, schedule)
     if pp_size == 1:
         return forward_backward_no_pipelining
+    if schedule == "zb-h1":
+        return forward_backward_pipelining_zero_bubble
     if vp_size > 1:
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving

@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 
 class Step(NamedTuple):
-    """One unit of schedule work: ``kind`` 'F' (forward) or 'B' (backward) of a micro batch on a chunk."""
+    """One unit of schedule work on a micro batch and a chunk: ``kind`` 'F' (forward), 'B' (backward; in the
+    zero-bubble schedules only to the chunk's input) or 'W' (the weight gradients of a split backward)."""
 
     kind: str
     chunk: int
@@ -97,14 +98,25 @@ class ScheduleTrace:
 
 
 def max_in_flight(steps: Sequence[Step]) -> int:
-    """Peak number of (chunk, micro batch) pairs held between their forward and their backward."""
+    """Peak number of (chunk, micro batch) pairs held between their forward and their backward (B): those
+    whose whole activations are kept."""
+    return _peak_live(steps, "B")
+
+
+def max_awaiting_weights(steps: Sequence[Step]) -> int:
+    """Peak number of (chunk, micro batch) pairs between their forward and their last backward step: W where
+    the order has W steps (the weight gradients still keep the inputs of the GEMMs), else B."""
+    return _peak_live(steps, "W" if any(step.kind == "W" for step in steps) else "B")
+
+
+def _peak_live(steps: Sequence[Step], released_by: str) -> int:
     live: set[tuple[int, int]] = set()
     peak = 0
     for kind, chunk, microbatch in steps:
         if kind == "F":
             live.add((chunk, microbatch))
             peak = max(peak, len(live))
-        else:
+        elif kind == released_by:
             live.discard((chunk, microbatch))
     return peak
 
@@ -144,12 +156,14 @@ def idle_fractions(events_per_rank: Sequence[Sequence[TraceEvent]]) -> list[floa
 
 
 def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: float = 1.0,
-             backward_time: float = 2.0, sent_after: Sequence[Sequence[int]] | None = None) -> list[list[TraceEvent]]:
+             backward_time: float = 2.0, sent_after: Sequence[Sequence[int]] | None = None,
+             weight_time: float = 1.0) -> list[list[TraceEvent]]:
     """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
 
     A forward of chunk c on rank r waits for the same forward on rank r - 1 (rank 0 waits for chunk
     c - 1 on the last rank); a backward runs after its own forward and waits for the backward on rank r + 1
-    (the last rank waits for chunk c + 1 on rank 0). A step's result leaves when the step ends, or when
+    (the last rank waits for chunk c + 1 on rank 0); a W step runs after its own B and sends nothing. A
+    step's result leaves when the step ends, or when
     step ``sent_after[rank][i]`` of its rank ends (a communication plan that batches it with a later
     step's). Raises RuntimeError if the orders deadlock.
     """
@@ -176,12 +190,13 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
         for rank in range(pp):
             while position[rank] < len(orders[rank]):
                 step = orders[rank][position[rank]]
-                needed = dependencies(rank, step)
-                own_forward_ran = step.kind == "F" or Step("F", step.chunk, step.microbatch) in ran[rank]
-                if any(d not in done for d in needed) or not own_forward_ran:
+                needed = dependencies(rank, step) if step.kind != "W" else []
+                before = {"F": None, "B": "F", "W": "B"}[step.kind]
+                own_earlier_ran = before is None or Step(before, step.chunk, step.microbatch) in ran[rank]
+                if any(d not in done for d in needed) or not own_earlier_ran:
                     break
                 start = max([clock[rank]] + [done[d] for d in needed])
-                end = start + (forward_time if step.kind == "F" else backward_time)
+                end = start + {"F": forward_time, "B": backward_time, "W": weight_time}[step.kind]
                 index, clock[rank] = position[rank], end
                 held[rank].setdefault(sent_after[rank][index] if sent_after else index, []).append(step)
                 for sent in held[rank].pop(index, []):

@@ -38,6 +38,7 @@ from megatron_like.distributed.buffers import build_units
 from megatron_like.distributed.memory import StateBytes, theoretical_state_bytes
 from megatron_like.model import GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
+from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble
 from megatron_like.planning.activations import ActivationBytes, activation_bytes
 from megatron_like.training.metrics import flops_per_token
 
@@ -301,6 +302,12 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
         flops += 4.0 * m.num_layers * m.seq_length * m.seq_length * m.attention_size * config.global_batch_size
     vp, micro = config.virtual_pipeline_size, config.num_microbatches
     bubble = (pp - 1) / (vp * micro + pp - 1)
+    if p.pipeline_schedule == "zb-h1":
+        # Per token: forward F = flops / 3 (one third of 6N plus attention), W = the weight GEMMs' 2N (at most
+        # F), B = the rest of the backward. ZB-H1 idles (p-1)(F+B-W) of m(F+B+W) (pipeline_parallel/zero_bubble.py).
+        forward = flops / 3.0
+        weight = min(2.0 * active_params * tokens, forward)
+        bubble = zb_h1_bubble(pp, micro, forward, 2.0 * forward - weight, weight)
     compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)
     iteration_seconds = compute_seconds / (1.0 - bubble)
     return Plan(config, ranks, total_params, active_params, flops, bubble, iteration_seconds,

@@ -13,12 +13,11 @@ Parameters carry two attributes the rest of the code reads:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.collectives import Group
-from megatron_like.tensor_parallel import cpu_gemm
+from megatron_like.tensor_parallel import cpu_gemm, weight_grad
 from megatron_like.tensor_parallel.initialization import InitMethod, draw_slice, new_parameter
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -79,6 +78,8 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
     ``skip_bias_add`` leaves the bias out of the output so the caller can fuse it into what follows.
     ``gemm_backend``: ``--cpu-gemm-backend`` (MKL or oneDNN for fp32 on CPU, see ``cpu_gemm.py``).
+    ``defer_weight_grad``: in a zero-bubble schedule, compute the weight gradient in the W step
+    (``weight_grad.py``); False computes it during B (the output layer: its output gradient is too large to keep).
     """
 
     def __init__(
@@ -96,12 +97,14 @@ class ColumnParallelLinear(nn.Module):
         skip_weight_param_allocation: bool = False,
         skip_bias_add: bool = False,
         gemm_backend: str = "auto",
+        defer_weight_grad: bool = True,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         tp_size = comm.group_size(tp_group)
         self.gemm = cpu_gemm.resolve_backend(gemm_backend)
+        self.defer_weight_grad = defer_weight_grad
         if output_size % tp_size != 0:
             raise ValueError(f"{name}: output size {output_size} does not split over {tp_size} ranks")
         self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
@@ -127,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
         else:
             x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = cpu_gemm.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm)
+        y = weight_grad.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm, self.defer_weight_grad)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y
@@ -180,7 +183,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        partial = cpu_gemm.linear(x, self.weight, None, self.gemm)
+        partial = weight_grad.linear(x, self.weight, None, self.gemm)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
@@ -228,9 +231,9 @@ def vocab_parallel_embedding(token_ids: torch.Tensor, weight: torch.Tensor, tp_g
     """Look ids ``[b, s]`` up in this tp rank's rows ``[v / tp, h]`` of a vocabulary-split table -> ``[b, s, h]``,
     summed over tp (any table split like VocabParallelEmbedding's: the last stage's tied copy too)."""
     if tp_group is None:
-        return F.embedding(token_ids, weight)
+        return weight_grad.embedding(token_ids, weight)
     vocab_start = comm.group_rank(tp_group) * weight.shape[0]
     outside = (token_ids < vocab_start) | (token_ids >= vocab_start + weight.shape[0])
     local_ids = (token_ids - vocab_start).masked_fill(outside, 0)
-    partial = F.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    partial = weight_grad.embedding(local_ids, weight).masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_tensor_parallel_region(partial, tp_group)

@@ -179,7 +179,8 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     loss_scale = optimizer.loss_scale
     if optimizer.scaler is not None:
         forward_step_func = _with_scaled_loss(forward_step_func, optimizer)
-    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
+    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size,
+                                         config.parallel.pipeline_schedule)
     # MoE routers' losses get the gradient they would have as part of each micro batch's loss (aux_losses.py).
     reset_aux_losses()
     set_aux_loss_backward_scale(loss_scale / config.num_microbatches)
@@ -211,7 +212,8 @@ def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Cal
     without gradients (last pipeline stage; empty elsewhere). The chunks are back in train mode after."""
     for chunk in model:
         chunk.eval()
-    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size)
+    schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size,
+                                         config.parallel.pipeline_schedule)
     stats = []
     with torch.no_grad():
         for _ in range(num_batches):

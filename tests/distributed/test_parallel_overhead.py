@@ -74,7 +74,7 @@ def test_zero3_sends_gather_gather_reduce_scatter(figures, mode):
     assert sent["reduce_scatter"] == pytest.approx(one_pass, rel=0.01), sent
 
 
-@pytest.mark.parametrize("mode, chunks", [("pp", 1), ("pp-interleaved", 2)])
+@pytest.mark.parametrize("mode, chunks", [("pp", 1), ("pp-interleaved", 2), ("pp-zb-h1", 1)])
 def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figures, mode, chunks):
     """With v chunks per rank over 2 ranks there are 2v - 1 stage boundaries; each rank sends, per micro
     batch, the activations ``[s, 1, h]`` (forward) or their gradients (backward) of 2v - 1 of them."""

@@ -23,6 +23,7 @@ from megatron_like.pipeline_parallel import (
     interleaved_steps,
     one_f_one_b_steps,
     pipeline_tensor_shape,
+    zb_h1_steps,
 )
 from megatron_like.pipeline_parallel.trace import (
     chrome_trace,
@@ -38,7 +39,10 @@ LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 LAYOUTS += [(pp, vp, m) for pp in (2, 3, 4) for vp in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
 
 
-def orders(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[Step]]:
+def orders(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[Step]]:
+    """Every rank's step order: 1F1B (vp 1), interleaved, or the named schedule."""
+    if schedule == "zb-h1":
+        return [zb_h1_steps(pp, r, m, forward_only) for r in range(pp)]
     if vp == 1:
         return [one_f_one_b_steps(pp, r, m, forward_only) for r in range(pp)]
     return [interleaved_steps(pp, r, m, vp, forward_only) for r in range(pp)]
@@ -109,10 +113,10 @@ def test_interleaved_in_flight_bound(pp, vp, m):
         assert max_in_flight(steps) == min(warmup + 1, vp * m)
 
 
-def sent_after(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[int]]:
+def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[int]]:
     """Per rank, for each step, the step after which the communication plan sends its result."""
     result = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only)):
+    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
         after = list(range(len(steps)))
         for post in communication_plan(steps, pp, rank, vp):
             for i in post.sends:
@@ -130,11 +134,12 @@ def test_simulated_schedule_has_no_deadlock_and_the_theoretical_bubble(pp, vp, m
     simulate(orders(pp, vp, m, forward_only=True), vp, sent_after=sent_after(pp, vp, m, forward_only=True))
 
 
-def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False) -> list[list[list[tuple[str, int, int]]]]:
+def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
+                 schedule: str | None = None) -> list[list[list[tuple[str, int, int]]]]:
     """Each rank's p2p batches as the executor issues them: activations (tag 0) go to rank + 1, gradients
     (tag 1) to rank - 1, on the ring."""
     batches = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only)):
+    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
         following, preceding = (rank + 1) % pp, (rank - 1) % pp
         batches.append([
             [("send", following, 0) if steps[i].kind == "F" else ("send", preceding, 1) for i in post.sends]
@@ -147,9 +152,15 @@ def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False) -> list[l
 @pytest.mark.parametrize("pp,vp,m", LAYOUTS)
 def test_communication_plan_cannot_deadlock_on_in_order_streams(pp, vp, m):
     """NCCL runs a rank's batches in order on one stream: the plan must not deadlock under that rule."""
-    simulate_in_order_batches(plan_batches(pp, vp, m))
-    simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True))
-    for rank, steps in enumerate(orders(pp, vp, m)):
+    assert_plan_runs_in_order(pp, vp, m)
+
+
+def assert_plan_runs_in_order(pp: int, vp: int, m: int, schedule: str | None = None) -> None:
+    """The plan of this schedule does not deadlock under NCCL's in-order rule; each receive is posted before
+    its step, each send after its step, one operation per direction per batch."""
+    simulate_in_order_batches(plan_batches(pp, vp, m, schedule=schedule))
+    simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True, schedule=schedule))
+    for rank, steps in enumerate(orders(pp, vp, m, schedule=schedule)):
         posts = communication_plan(steps, pp, rank, vp)
         received = [i for post in posts for i in post.receives]
         sent = [i for post in posts for i in post.sends]
@@ -164,7 +175,11 @@ def test_communication_plan_cannot_deadlock_on_in_order_streams(pp, vp, m):
 def test_communication_plan_needs_no_tags(pp, vp, m):
     """NCCL ignores tags: between two ranks, activations and gradients form one stream, so each receiver
     must ask for the kinds of messages in the order its sender sends them, and still never deadlock."""
-    batches = plan_batches(pp, vp, m)
+    assert_plan_needs_no_tags(pp, vp, m)
+
+
+def assert_plan_needs_no_tags(pp: int, vp: int, m: int, schedule: str | None = None) -> None:
+    batches = plan_batches(pp, vp, m, schedule=schedule)
     simulate_in_order_batches([[[(kind, peer, 0) for kind, peer, _ in batch] for batch in rank] for rank in batches])
 
     def tags(rank: int, operation: str, peer: int) -> list[int]:
@@ -196,7 +211,11 @@ def test_simulate_reports_a_deadlock():
 def test_message_streams_are_consumed_in_the_order_they_are_produced(pp, vp, m):
     """p2p.py sends no header: on each (sender, receiver, direction) the k-th message sent must be the k-th
     the receiver asks for. Forward messages go rank r -> r + 1 (the last rank feeds chunk c + 1 of rank 0)."""
-    ranks = orders(pp, vp, m)
+    assert_streams_consumed_in_order(pp, vp, m)
+
+
+def assert_streams_consumed_in_order(pp: int, vp: int, m: int, schedule: str | None = None) -> None:
+    ranks = orders(pp, vp, m, schedule=schedule)
     for rank in range(pp):
         receiver = (rank + 1) % pp
         sent = [(s.chunk + (receiver == 0), s.microbatch) for s in ranks[rank]

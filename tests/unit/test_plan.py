@@ -272,3 +272,18 @@ def test_mla_plan_counts_the_latent_projections_whole_on_every_tp_rank():
     tp2 = plan_run(tp2_config, tp2_vocab, device="cpu")
     mlp_half = 3 * h * 96 // 2 + 2 * h
     assert tp2.ranks[0].params == 2 * (duplicated + split // 2 + mlp_half) + tp2_vocab * h + h
+
+
+def test_zb_h1_plan_predicts_the_smallest_bubble_at_pp16():
+    """GPT-3 175B at pp 16 with 32 micro batches: ZB-H1 (W steps filling the bubble) < interleaved < 1F1B."""
+    flags = [f for f in GPT3_175B if f not in ("--num-layers-per-virtual-pipeline-stage", "3")]
+    flags[flags.index("--global-batch-size") + 1] = "256"  # dp 8: 32 micro batches of 1
+
+    def bubble(extra: list[str]) -> float:
+        config = parse_config(flags + extra, world_size=1024)
+        return plan_run(config, config.padded_vocab_size(50257)).bubble
+
+    one_f_one_b = bubble(["--pipeline-schedule", "1f1b"])
+    assert one_f_one_b == pytest.approx(15 / (32 + 15))
+    assert bubble(["--pipeline-schedule", "zb-h1"]) < bubble(["--num-layers-per-virtual-pipeline-stage", "3"]) \
+        < one_f_one_b

@@ -30,6 +30,7 @@ from megatron_like.tensor_parallel import (
     new_parameter,
     normal_init,
     reduce_from_tensor_parallel_region,
+    weight_grad,
 )
 from megatron_like.tensor_parallel.initialization import draw_slice
 
@@ -37,8 +38,16 @@ from megatron_like.tensor_parallel.initialization import draw_slice
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                    use_grouped_gemm: bool) -> torch.Tensor:
     """``x [T, k]`` in expert blocks of ``tokens_per_expert [E]`` rows, ``weight [E, k, n]`` -> ``[T, n]``."""
-    if use_grouped_gemm:
-        return grouped_gemm(x, weight, tokens_per_expert.cpu())  # the group sizes are read on the host
+    # Inside a zero-bubble schedule the weight gradient waits for the W step (tensor_parallel/weight_grad.py).
+    return weight_grad.grouped_matmul(x, weight, tokens_per_expert,
+                                      _grouped_gemm_kernel if use_grouped_gemm else _matmul_per_expert)
+
+
+def _grouped_gemm_kernel(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    return grouped_gemm(x, weight, tokens_per_expert.cpu())  # the group sizes are read on the host
+
+
+def _matmul_per_expert(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     blocks = x.split(tokens_per_expert.tolist())
     return torch.cat([block @ weight[e] for e, block in enumerate(blocks)])
 

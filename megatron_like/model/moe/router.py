@@ -55,13 +55,12 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_like import collectives as comm
 from megatron_like.config import ModelConfig
 from megatron_like.model.moe.aux_losses import attach_aux_loss, record_aux_loss
-from megatron_like.tensor_parallel import init_generator, mark_replicated, new_parameter, normal_init
+from megatron_like.tensor_parallel import init_generator, mark_replicated, new_parameter, normal_init, weight_grad
 from megatron_like.tensor_parallel.initialization import draw_slice
 from megatron_like.tensor_parallel.random import is_recomputing
 
@@ -243,7 +242,7 @@ class TopKRouter(nn.Module):
     def forward(self, tokens: torch.Tensor, num_sequences: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """``tokens [T, h]`` (``T = s * num_sequences``, position-major) -> ``probs [T, E]`` fp32 and
         ``routing_map [T, E]`` bool."""
-        logits = F.linear(tokens.float(), self.weight.float())  # routing decisions in fp32
+        logits = weight_grad.linear(tokens.float(), self.weight.float(), None, "mkl")  # routing decisions in fp32
         training = self.training
         if self.z_loss_coeff is not None and training:
             loss = z_loss(logits)

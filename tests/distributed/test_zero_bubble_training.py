@@ -1,0 +1,165 @@
+"""ZB-H1 trained through pretrain() equals the single-process run: GPT and Llama, tp2 + sp, ZeRO 1-3 (with the
+overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. Each run's trace must show the
+ZB-H1 order with its W steps, and every W step must have run deferred GEMM weight gradients (so a schedule
+that silently fell back to 1F1B, or to unsplit backwards, fails here although its losses would match).
+
+Process groups run several layouts in turn (spawning costs more than a run), 3 steps of a 4-layer model each.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from megatron_like.pipeline_parallel import record_schedule, zb_h1_steps
+from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_llama_parallel import LLAMA
+from tests.distributed.test_mixed_precision import assert_close_at_precision
+from tests.distributed.test_moe_parallel import MOE
+
+ZB = ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+MODELS = {"gpt": [], "llama": LLAMA, "llama-bf16": LLAMA + ["--bf16"], "moe": MOE}
+
+
+def zero(stage: int, *overlap: str) -> list[str]:
+    return ["--zero-stage", str(stage), *overlap]
+
+
+CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
+    2: {
+        "gpt-pp2": ("gpt", []),
+        "gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
+        "llama-pp2": ("llama", []),
+        "llama-bf16-pp2": ("llama-bf16", []),
+    },
+    4: {
+        "gpt-tp2-sp-pp2": ("gpt", TP2_SP),
+        "gpt-dp2-pp2-zero1-overlap": ("gpt", zero(1, "--overlap-grad-reduce")),
+        "llama-dp2-pp2-zero2-overlap": ("llama", zero(2, "--overlap-grad-reduce")),
+        "llama-dp2-pp2-zero3": ("llama", zero(3)),
+        "moe-dp2-pp2-ep2": ("moe", ["--expert-model-parallel-size", "2"]),
+        "llama-cp2-pp2": ("llama", ["--context-parallel-size", "2"]),
+    },
+}
+
+
+def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
+    """``train_gpt`` with the schedule trace and, per W step run, how many deferred weight-gradient closures it
+    ran (those of the split GEMMs)."""
+    from megatron_like.tensor_parallel import weight_grad
+
+    closures_per_w: list[int] = []
+    original = weight_grad.WeightGradWork.run
+
+    def counting_run(work: weight_grad.WeightGradWork) -> None:
+        closures_per_w.append(len(work.closures))
+        original(work)
+
+    weight_grad.WeightGradWork.run = counting_run
+    try:
+        with record_schedule() as trace:
+            result = train_gpt(rank, world_size, flags)
+    finally:
+        weight_grad.WeightGradWork.run = original
+    return {**result, "steps": [tuple(e.step) for e in trace.events], "runs": trace.runs,
+            "closures_per_w": closures_per_w}
+
+
+def train_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> list[dict]:
+    return [train_and_count(rank, world_size, flags) for flags in flag_lists]
+
+
+@functools.cache
+def reference(model: str) -> dict:
+    return merge_ranks([train_gpt(0, 1, MODELS[model])])
+
+
+@functools.cache
+def runs(world_size: int) -> dict[str, list[dict]]:
+    names = list(CASES[world_size])
+    flag_lists = [MODELS[CASES[world_size][n][0]] + ZB + CASES[world_size][n][1] for n in names]
+    per_rank = run_distributed(train_many, world_size, flag_lists, timeout=900)
+    return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(names)}
+
+
+@pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
+def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> None:
+    results = runs(world_size)[name]
+    model = CASES[world_size][name][0]
+    run = merge_ranks(results)
+    if model == "llama-bf16":
+        assert_close_at_precision(reference(model), run, "bf16")
+    else:
+        assert_same_training(reference(model), run)
+    for result in results:
+        assert any(step[0] == "W" for step in result["steps"]), "no W step ran: the backward was not split"
+        # Every W ran deferred GEMM weight gradients (the linears, and on the first stage the embedding too).
+        assert result["closures_per_w"] and min(result["closures_per_w"]) > 0
+
+
+def test_traced_order_is_zb_h1() -> None:
+    """The order run (3 training steps, then evaluations) is zb_h1_steps' for the rank's stage."""
+    results = runs(2)["gpt-pp2"]
+    for stage, result in enumerate(results):
+        steps = result["steps"]
+        order = [tuple(s) for s in zb_h1_steps(2, stage, 4)]
+        assert steps[: 3 * len(order)] == order * 3
+        assert len(result["closures_per_w"]) == 3 * 4  # one W per micro batch and step
+
+
+def peak_bytes_per_schedule(rank: int, world_size: int) -> dict[str, int]:
+    """Peak bytes of tensors alive during one training schedule call (after a warmup call) under 1F1B and ZB-H1
+    on this pipeline rank of a GPT whose activations dominate (benchmarks/pipeline_bubble.py's chunks), and the
+    most bytes one W step kept from its B."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_like.config import ParallelConfig
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.pipeline_parallel import get_forward_backward_func
+    from megatron_like.tensor_parallel import weight_grad
+    from tests.peak_memory import peak_live_bytes
+
+    sys.path.insert(0, "benchmarks")
+    import pipeline_bubble
+
+    ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
+    args = SimpleNamespace(gpt_layers=4, hidden_size=64, seq_length=128, micro_batch_size=4)
+    chunks, forward_step, batches = pipeline_bubble.build_gpt_chunks(ps, 1, args)
+    kept, original = [0], weight_grad.WeightGradWork.run
+
+    def recording_run(work: weight_grad.WeightGradWork) -> None:
+        kept[0] = max(kept[0], work.kept_bytes)
+        original(work)
+
+    weight_grad.WeightGradWork.run = recording_run
+    peaks = {}
+    for schedule in ("1f1b", "zb-h1"):
+        run = get_forward_backward_func(world_size, 1, schedule)
+
+        def step() -> None:
+            run(forward_step, batches, chunks, 4, seq_length=128, micro_batch_size=4)
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+
+        step()
+        peaks[schedule] = peak_live_bytes(step)[0]
+    weight_grad.WeightGradWork.run = original
+    torch.distributed.barrier()
+    return {**peaks, "kept_per_w": kept[0], "pp_rank": ps.pp_rank}
+
+
+def test_zb_h1_peak_memory_is_1f1bs_plus_the_waiting_w_inputs() -> None:
+    """Measured peak of live tensors per stage against ZB-H1's bound: rank r holds 1F1B's activations plus the
+    GEMM inputs and output gradients of the r micro batches whose W waits. Rank 0 (no W waits there at its peak)
+    equals its 1F1B peak; each stage is within 10% of its bound."""
+    for result in run_distributed(peak_bytes_per_schedule, 2, timeout=600):
+        bound = result["1f1b"] + result["pp_rank"] * result["kept_per_w"]
+        assert result["kept_per_w"] > 0
+        assert result["zb-h1"] == pytest.approx(bound, rel=0.1), result
