@@ -111,7 +111,8 @@ def test_megatron_core_reads_our_export_and_we_read_its_save(tmp_path, megatron_
 def writes_in_process():
     """Megatron-core's torch_dist writer without its processes: its results queue (a ``multiprocessing`` Manager,
     a forked server) and its forked writer per bucket hang in this CPU set-up, so each bucket is written here, in
-    turn, by its own ``write_preloaded_data`` (the bytes and the index are its writer's)."""
+    turn, by its own ``write_preloaded_data`` (the bytes and the index are its writer's); its staging waits for the
+    CUDA device after copying to the host (nothing to wait for on the CPU), and its memory log needs psutil."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
@@ -128,13 +129,15 @@ def writes_in_process():
             written[index] = result
         global_results_queue.put(written)
 
-    saved = fa._get_write_results_queue, fa.FileSystemWriterAsync.write_preloaded_data_multiproc
-    fa._get_write_results_queue = queue.Queue
+    saved = (fa._get_write_results_queue, fa.FileSystemWriterAsync.write_preloaded_data_multiproc,
+             torch.cuda.synchronize, fa._process_memory)
+    fa._get_write_results_queue, fa._process_memory = queue.Queue, lambda: 0
     fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(in_turn)
+    torch.cuda.synchronize = lambda *args: None
     try:
         yield
     finally:
-        fa._get_write_results_queue = saved[0]
+        fa._get_write_results_queue, torch.cuda.synchronize, fa._process_memory = saved[0], saved[2], saved[3]
         fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(saved[1])
 
 

@@ -138,3 +138,25 @@ def test_dp_reshardable_optimizer_is_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="dp_reshardable .* --no-load-optim, or .* "
                                               "--dist-ckpt-optim-fully-reshardable"):
         mf.model_and_optimizer_keys(str(tmp_path))
+
+
+def test_an_index_with_megatron_cores_save_plans_is_read(tmp_path):
+    """Megatron-core's save adds every rank's save plan to the DCP index (``all_local_plans``, seen in a file its
+    ``dist_checkpointing.save`` wrote: tests/megatron_core): its records are read, nothing else is allowed."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    from megatron_like.training.dist_checkpointing import write_global_state
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    it_dir = tmp_path / "iter_0000001"
+    write_global_state(str(it_dir), {"output_layer.weight": weight})
+    index_path = it_dir / ".metadata"
+    index = torch.serialization.pickle.loads(index_path.read_bytes())  # our own file, written just above
+    item = WriteItem(index=MetadataIndex("output_layer.weight", torch.Size([0, 0])), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([0, 0]), weight.shape),
+                                                 properties=TensorProperties.create_from_tensor(weight),
+                                                 size=weight.shape))
+    index.all_local_plans = [SavePlan(items=[item], planner_data={})]
+    index_path.write_bytes(torch.serialization.pickle.dumps(index))
+    assert torch.equal(mf.load_torch_dist(str(it_dir), ["output_layer.weight"])["output_layer.weight"], weight)
