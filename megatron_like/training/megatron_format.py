@@ -73,7 +73,10 @@ _ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.Mo
 
 
 def _safe_globals() -> list:
-    return [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS]
+    """What a Megatron-LM ``args`` needs allowed, less what the process allows already (torch's context manager
+    removes on exit what it was given: a global allowance, e.g. Megatron-core's, must survive our reads)."""
+    present = torch.serialization.get_safe_globals()
+    return [g for g in [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS] if g not in present]
 
 
 def read_megatron_file(path: str, mmap: bool = False, verify: bool = True) -> dict[str, Any]:

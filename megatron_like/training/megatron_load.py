@@ -52,7 +52,8 @@ class MegatronCheckpoint:
 
 def megatron_kind(it_dir: str) -> str | None:
     """``torch_dist`` or ``torch`` when the iteration directory ``it_dir`` holds a Megatron-LM checkpoint, else None.
-    Ours never has ``metadata.json`` nor ``args``; a legacy file is read memory-mapped, without its tensors."""
+    Ours never has ``metadata.json`` nor ``args``; a legacy file is read memory-mapped, without its tensors (one
+    that does not open is left to the loader's checks)."""
     if mf.is_megatron_torch_dist(it_dir):
         return "torch_dist"
     if not os.path.isdir(it_dir):
@@ -61,7 +62,10 @@ def megatron_kind(it_dir: str) -> str | None:
     path = os.path.join(it_dir, found[0], mf.FILE) if found else ""
     if not os.path.isfile(path):
         return None
-    state = mf.read_megatron_file(path, mmap=True, verify=False)
+    try:
+        state = mf.read_megatron_file(path, mmap=True, verify=False)
+    except ckpt.CheckpointError:  # a damaged file: our own checks name the problem in their words
+        return None
     return "torch" if "args" in state and "config" not in state else None
 
 
