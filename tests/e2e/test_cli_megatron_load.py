@@ -1,6 +1,7 @@
 """pretrain_gpt.py --load of a Megatron-LM checkpoint, no conversion step: our run saved at iteration 3, written in
 Megatron-LM's files (tools/convert_megatron.py), continues from them at another layout with the losses of the
-uninterrupted run (torch_dist: weights, AdamW moments and step, lr schedule, consumed samples) or of our own resume
+uninterrupted run (torch_dist, at tp 2 x dp 2 with ZeRO-1: weights, AdamW moments and step, lr schedule, consumed
+samples) or of our own resume
 without the optimizer (legacy files, whose optimizer state is refused in one line)."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_cli_continues_a_megatron_torch_dist_checkpoint_with_its_optimizer(tmp_p
     ours, losses = straight
     mlm = str(tmp_path / "mlm")
     _to_megatron(ours, mlm, "--target-tensor-parallel-size", "2")
-    out = launch(2, FLAGS + ["--tensor-model-parallel-size", "2", "--load", mlm])
+    # tp 2 x dp 2 with ZeRO-1: each rank copies its flat optimizer shards' boxes out of the whole tensors
+    out = launch(4, FLAGS + ["--tensor-model-parallel-size", "2", "--zero-stage", "1", "--load", mlm])
     assert f" > loaded checkpoint from {mlm} at iteration 3" in out
     resumed = logged_losses(out)
     assert sorted(resumed) == [4, 5, 6]
