@@ -61,3 +61,16 @@ def test_cli_continues_a_megatron_legacy_checkpoint_without_its_optimizer(tmp_pa
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     assert errors == [f"error: Megatron-LM checkpoint {mlm}/iter_0000003 has --num-layers 2 but this run has 3; "
                       "pass the checkpoint's value"], refused.stderr
+
+
+def test_cli_continues_a_megatron_checkpoint_of_a_bf16_run_with_its_fp32_masters(tmp_path):
+    """bf16 parameters: the fp32 masters travel as Megatron-core's ``fp32_param`` and come back as ours (from the
+    bf16 weights the run would lose its masters' low bits and part from the uninterrupted run)."""
+    flags = FLAGS + ["--bf16"]
+    ours, mlm = str(tmp_path / "ours"), str(tmp_path / "mlm")
+    straight = logged_losses(launch(1, flags + ["--save", ours, "--save-interval", "3"]))
+    _to_megatron(ours, mlm)
+    resumed = logged_losses(launch(2, flags + ["--zero-stage", "1", "--load", mlm]))
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-5), f"iteration {iteration}"
