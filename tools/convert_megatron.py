@@ -21,19 +21,62 @@ import copy
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_like.config import Config, ConfigError, QuietArgumentParser  # noqa: E402
 from megatron_like.model import megatron_names as names  # noqa: E402
 from megatron_like.model.state import (  # noqa: E402
+    CHECKPOINT_FILE,
     VOCAB_PARAMS,
     CheckpointLoadError,
     checkpoint_iteration_dir,
+    first_shard_dir,
+    is_torch_dist,
     load_full_state,
     resize_vocab,
 )
 from megatron_like.training import megatron_format as mf  # noqa: E402
+from megatron_like.training.checkpoint_integrity import read_dcp_metadata  # noqa: E402
+from megatron_like.training.checkpoint_validation import read_checkpoint_file  # noqa: E402
 from megatron_like.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_like.training.megatron_load import (  # noqa: E402
+    megatron_kind,
+    open_megatron,
+    read_global_state,
+    saved_schedule,
+)
+
+
+def _our_run_state(load: str, iteration: int | None, config: Config) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(``common.pt``'s plain entries, our global optimizer tensors ``optimizer.<kind>.<name>``) of our checkpoint;
+    a torch-format one gives its first file's entries and no optimizer tensors (its ZeRO shards are flat)."""
+    it_dir = checkpoint_iteration_dir(load, iteration)
+    root = os.path.dirname(it_dir)
+    step = int(os.path.basename(it_dir)[len("iter_"):])
+    if not is_torch_dist(it_dir):
+        state = read_checkpoint_file(os.path.join(first_shard_dir(it_dir), CHECKPOINT_FILE), mmap=True, verify=False)
+        return {k: state.get(k) for k in ("consumed_samples", "scheduler")}, {}
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+
+    common = read_checkpoint_file(os.path.join(it_dir, "common.pt"))
+    keys = [k for k in read_dcp_metadata(it_dir).state_dict_metadata if k.startswith("optimizer.")]
+    return common, read_full_tensors(root, keys, step)
+
+
+def _optimizer_to_megatron(tensors: dict[str, torch.Tensor], full: dict[str, torch.Tensor], config: Config,
+                           spec: str) -> dict[str, torch.Tensor]:
+    """Megatron-core's ``optimizer.state.<kind>.<key>`` of our global optimizer tensors; an fp32 run's masters are
+    its parameters (``full``), which Megatron-core's distributed optimizer keeps as ``fp32_param`` all the same."""
+    m, out = config.model, {}
+    for ours, theirs in mf.OPTIMIZER_KINDS.items():
+        part = {k[len(f"optimizer.{ours}."):]: v for k, v in tensors.items() if k.startswith(f"optimizer.{ours}.")}
+        if ours == "master" and not part:
+            part = {k: v.float() for k, v in full.items()}
+        if part:
+            out.update({f"optimizer.state.{theirs}.{k}": v for k, v in names.to_megatron_global(part, m, spec).items()})
+    return out
 
 
 def to_megatron(args: argparse.Namespace) -> None:
@@ -50,47 +93,61 @@ def to_megatron(args: argparse.Namespace) -> None:
     padded = target.padded_vocab_size(m.vocab_size or rows)
     full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
     iteration = int(os.path.basename(checkpoint_iteration_dir(args.load, args.iteration))[len("iter_"):])
+    common, optimizer = _our_run_state(args.load, args.iteration, config)
+    optimizer = {k: resize_vocab(v, padded) if k.endswith(VOCAB_PARAMS) else v for k, v in optimizer.items()}
+    extra: dict = {}
+    if common.get("scheduler") is not None:
+        extra["opt_param_scheduler"] = mf.scheduler_to_megatron(common["scheduler"], config)
+    consumed = int(common.get("consumed_samples") or 0)
     per_layer = names.to_megatron_layers(full, m, args.layer_spec, sharded=args.ckpt_format == "torch_dist")
     if args.ckpt_format == "torch":
         mf.save_legacy(args.save, iteration, config, per_layer, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec,
-                       experts=args.moe_experts)
+                       experts=args.moe_experts, consumed_samples=consumed, extra=extra)
+        carried = "no optimizer state (the legacy files of a distributed optimizer keep it apart)"
     else:
         mglobal = names.stack_layers(per_layer, m.num_layers) if names.is_stacked(m) else per_layer
-        mf.save_torch_dist(args.save, iteration, config, mglobal, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec)
+        if optimizer:
+            mglobal.update(_optimizer_to_megatron(optimizer, full, config, args.layer_spec))
+            extra["optimizer"] = mf.optimizer_common((common.get("optimizer") or {}).get("step"), config)
+        mf.save_torch_dist(args.save, iteration, config, mglobal, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec,
+                           consumed_samples=consumed, extra=extra)
+        carried = "with its optimizer state" if optimizer else "no optimizer state (the source holds none)"
     print(f"wrote a Megatron-LM {args.ckpt_format} checkpoint (iteration {iteration}, tp {tp}, pp {pp}, ep {ep}, "
-          f"{args.layer_spec} layer spec) to {args.save}")
+          f"{args.layer_spec} layer spec; {carried}) to {args.save}")
 
 
 def from_megatron(args: argparse.Namespace) -> None:
     it_dir = checkpoint_iteration_dir(args.load, args.iteration)
-    margs = mf.read_args(it_dir)
-    config = Config()
-    try:
-        config.model = mf.model_config_from_args(margs)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"the Megatron-LM arguments of {it_dir} describe no model of this codebase: {error}") from None
-    m = config.model
-    if mf.is_megatron_torch_dist(it_dir):
-        full = names.from_megatron_global(mf.load_torch_dist(it_dir), m)
-    else:
-        full = names.from_megatron_layers(mf.load_legacy(it_dir, margs, m), m)
-    rows = full[VOCAB_PARAMS[0]].shape[0]
-    m.vocab_size = getattr(margs, "vocab_size", None) or rows
+    kind = megatron_kind(it_dir)
+    if kind is None:
+        raise CheckpointError(f"{it_dir} holds neither metadata.json (torch_dist) nor mp_rank_* files with Megatron-LM "
+                              "args (legacy torch): not a Megatron-LM checkpoint")
+    megatron = open_megatron(it_dir, kind)
+    config, margs = megatron.config, megatron.args
+    full = read_global_state(megatron, with_optimizer=True)
+    rows = full["model." + VOCAB_PARAMS[0]].shape[0]
+    config.model.vocab_size = config.model.vocab_size or rows
     p = config.parallel
     p.tensor_model_parallel_size = args.target_tensor_parallel_size or margs.tensor_model_parallel_size
     p.pipeline_model_parallel_size = args.target_pipeline_model_parallel_size or margs.pipeline_model_parallel_size
     p.expert_model_parallel_size = (args.target_expert_model_parallel_size
                                     or getattr(margs, "expert_model_parallel_size", 1) or 1)
     config.world_size = p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size
+    if config.global_batch_size % (config.training.micro_batch_size * config.data_parallel_size):
+        # Megatron-LM's batch at its data-parallel size does not split at this smallest layout: the stored config
+        # names none (a resuming run's flags set it; its notice names a change)
+        config.training.global_batch_size = None
     config.data.mock_data = True  # validates without --data-path; the tokenizer is not in Megatron's checkpoint
     config.validate()
-    padded = config.padded_vocab_size(m.vocab_size)
-    full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
+    padded = config.padded_vocab_size(config.model.vocab_size)
+    full = {k: resize_vocab(v, padded) if k.endswith(VOCAB_PARAMS) else v for k, v in full.items()}
     iteration = int(os.path.basename(it_dir)[len("iter_"):])
+    schedule, step = saved_schedule(megatron), mf.optimizer_step_of(megatron.common.get("optimizer"))
     from megatron_like.training.dist_checkpointing import save_full_state
 
-    save_full_state(args.save, iteration, config, {"model." + k: v for k, v in full.items()},
-                    extra={"consumed_samples": int(getattr(margs, "consumed_train_samples", 0) or 0)})
+    save_full_state(args.save, iteration, config, full, extra={
+        "consumed_samples": int(getattr(margs, "consumed_train_samples", 0) or 0), "scheduler": schedule,
+        "optimizer": {"step": step, "loss_scaler": None} if any(k.startswith("optimizer.") for k in full) else None})
     print(f"wrote our torch_dist checkpoint (iteration {iteration}, loads at any layout) to {args.save}")
 
 

@@ -16,6 +16,7 @@ ours                                           Megatron-core
 ``layers.<i>.attention.qkv.{weight,bias}``     ``...self_attention.linear_qkv.*``: the same rows, grouped per query
                                                group ``[groups, heads/groups + 2, head_dim]`` on both sides
 ``layers.<i>.attention.proj.*``                ``...self_attention.linear_proj.*``
+``layers.<i>.attention.{q,k}_layernorm.*``     ``...self_attention.{q,k}_layernorm.*`` (``--qk-layernorm``, Qwen3)
 ``layers.<i>.ln2.*``                           ``...mlp.linear_fc1.layer_norm_*``; ``...pre_mlp_layernorm.*`` in
                                                the local spec's legacy files and the TE spec's MoE layers
 ``layers.<i>.mlp.fc1.*``                       ``...mlp.linear_fc1.*``; SwiGLU: ours interleaves rows (2j gate j,
@@ -56,6 +57,10 @@ _TOP = {"embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
 _PLAIN = {"attention.qkv.weight": "self_attention.linear_qkv.weight",
           "attention.qkv.bias": "self_attention.linear_qkv.bias",
           "attention.proj.weight": "self_attention.linear_proj.weight",
+          "attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
+          "attention.q_layernorm.bias": "self_attention.q_layernorm.bias",
+          "attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+          "attention.k_layernorm.bias": "self_attention.k_layernorm.bias",
           "attention.proj.bias": "self_attention.linear_proj.bias",
           "mlp.fc2.weight": "mlp.linear_fc2.weight", "mlp.fc2.bias": "mlp.linear_fc2.bias",
           "mlp.router.weight": "mlp.router.weight",

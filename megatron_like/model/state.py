@@ -262,6 +262,9 @@ def first_shard_dir(it_dir: str) -> str:
 def read_saved_config(root: str, iteration: int | None = None) -> Config:
     """The Config a checkpoint was saved with (from its first shard, or torch_dist's ``common.pt``)."""
     it_dir = checkpoint_iteration_dir(root, iteration)
+    megatron = _megatron_checkpoint(it_dir)
+    if megatron is not None:
+        return megatron.config
     if is_torch_dist(it_dir):
         return Config.from_dict(_load(os.path.join(it_dir, "common.pt"))["config"])
     path = os.path.join(first_shard_dir(it_dir), CHECKPOINT_FILE)
@@ -281,6 +284,11 @@ def load_full_state(root: str, iteration: int | None = None,
     large checkpoint, not all of it (the shards are memory-mapped; unmerged tensors are never read).
     """
     it_dir = checkpoint_iteration_dir(root, iteration)
+    megatron = _megatron_checkpoint(it_dir)
+    if megatron is not None:  # Megatron-LM's own files: read whole (its names and fused layouts converted)
+        from megatron_like.training.megatron_load import read_global_state
+
+        return megatron.config, {k[len("model."):]: v for k, v in read_global_state(megatron, False).items()}
     config = read_saved_config(root, iteration)
     if is_torch_dist(it_dir):
         return config, _load_torch_dist_state(it_dir, layers)
@@ -310,6 +318,18 @@ def load_full_state(root: str, iteration: int | None = None,
     if not m.untie_embeddings_and_output_weights:
         full.pop("output_layer.weight", None)
     return config, {k: v.clone() for k, v in full.items()}
+
+
+def _megatron_checkpoint(it_dir: str):  # -> MegatronCheckpoint | None (the training package imports this module)
+    """The opened Megatron-LM checkpoint of iteration directory ``it_dir``, or None when it is ours."""
+    from megatron_like.training import megatron_load
+    from megatron_like.training.checkpointing import CheckpointError
+
+    try:
+        kind = megatron_load.megatron_kind(it_dir)
+        return None if kind is None else megatron_load.open_megatron(it_dir, kind)
+    except CheckpointError as error:
+        raise CheckpointLoadError(str(error)) from None
 
 
 def _load_torch_dist_state(it_dir: str, layers: Collection[int] | None) -> dict[str, torch.Tensor]:

@@ -54,11 +54,15 @@ def _layout(name: str) -> torch.layout:
 def _allowed_globals() -> dict[tuple[str, str], Any]:
     """``(module, name) -> object`` of everything a DCP index may reference (DCP imported here: only runs
     that read torch_dist pay for it)."""
-    from torch.distributed.checkpoint import filesystem, metadata
+    from torch.distributed.checkpoint import filesystem, metadata, planner
 
     classes = [metadata.Metadata, metadata.TensorStorageMetadata, metadata.BytesStorageMetadata,
                metadata.ChunkStorageMetadata, metadata.TensorProperties, metadata.MetadataIndex,
                metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
+    # Megatron-core adds every rank's save plan to its index (``all_local_plans``, to check a cached plan): plain
+    # records of DCP's planner (an enum built from its value), never read here
+    classes += [planner.SavePlan, planner.WriteItem, planner.WriteItemType, planner.TensorWriteData,
+                planner.BytesIOWriteData]
     allowed: dict[tuple[str, str], Any] = {(c.__module__, c.__name__): c for c in classes}
     allowed.update({("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): _layout,
                     ("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath})

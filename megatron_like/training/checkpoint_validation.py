@@ -130,6 +130,12 @@ def _problems(root: str, config: Config, ps: ParallelState, model: list[nn.Modul
     if not os.path.isdir(iteration_dir):
         raise CheckpointError(f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but {iteration_dir} "
                               "does not exist; write the number of an existing iter_ directory into it")
+    from megatron_like.training import megatron_load  # it imports this module
+
+    kind = megatron_load.megatron_kind(iteration_dir)
+    if kind is not None:  # a Megatron-LM checkpoint: its arguments against this run's; tensors checked as read
+        megatron_load.check_megatron_checkpoint(megatron_load.open_megatron(iteration_dir, kind), config)
+        return
     if is_dist_checkpoint(root, iteration):
         # torch_dist: common.pt, the index (unpickled with an allow-list), every .distcp file it names (exists,
         # long enough) and this rank's keys and shapes; the pieces' checksums are verified as they are read.

@@ -336,6 +336,12 @@ def _load_checkpoint(root: str, config: Config, ps: ParallelState, model: list[n
     iteration = latest_iteration(root)
     if iteration is None:
         raise CheckpointError(f"--load {root} holds no {TRACKER_FILE}; is it a checkpoint directory?")
+    from megatron_like.training import megatron_load  # it imports this module
+
+    kind = megatron_load.megatron_kind(iteration_dir(root, iteration))
+    if kind is not None:  # Megatron-LM's own files, either format
+        return megatron_load.load_megatron_checkpoint(iteration_dir(root, iteration), kind, config, ps, model,
+                                                      optimizer, scheduler)
     if is_dist_checkpoint(root, iteration):  # either format loads, whatever --ckpt-format
         from megatron_like.training import dist_checkpointing  # it imports this module
 

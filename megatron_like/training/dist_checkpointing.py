@@ -595,7 +595,7 @@ def _check_vocab_rows(key: str, saved_rows: int, own_rows: int, multiples: tuple
             "checkpoint's --vocab-size or tokenizer")
 
 
-def _fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str,
+def fit_to_saved(pieces: dict[str, GlobalPieces], shapes: dict[str, tuple[int, ...]], path: str,
                   multiples: tuple[int, int]) -> None:
     """Check every key against the checkpoint; trim the vocabulary rows another tp's padding does not have."""
     for key, entry in pieces.items():
@@ -638,7 +638,7 @@ def check_dist_checkpoint(path: str, config: Config, ps: ParallelState, model: l
     """What :func:`load_dist_checkpoint` checks before it reads, without reading: for validation on every rank."""
     common, metadata = open_dist_checkpoint(path, config)
     shapes = {key: GlobalPieces(entry.global_shape) for key, entry in model_load_pieces(model, ps).items()}
-    _fit_to_saved(shapes, _tensor_shapes(metadata), path, _vocab_multiples(common["config"], config))
+    fit_to_saved(shapes, _tensor_shapes(metadata), path, _vocab_multiples(common["config"], config))
 
 
 def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState, model: list[nn.Module],
@@ -692,8 +692,8 @@ def load_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     if load_rng:
         state[rng_key] = None
 
-    _fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path, multiples)
-    _fit_to_saved(second_read, shapes, path, multiples)
+    fit_to_saved({k: v for k, v in state.items() if isinstance(v, GlobalPieces)}, shapes, path, multiples)
+    fit_to_saved(second_read, shapes, path, multiples)
     _dcp_load(state, path, index)
     if masters_from_params:  # every rank takes part, also one with nothing to read
         _dcp_load(second_read, path, index)

@@ -46,8 +46,19 @@ MODEL_FIELDS = (
     "rotary_seq_len_interpolation_factor", "use_rope_scaling", "rope_scaling_factor", "normalization", "swiglu",
     "group_query_attention", "num_query_groups", "add_qkv_bias", "num_experts", "moe_router_topk",
     "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size")
+    "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size", "kv_channels",
+    "qk_layernorm")
 """ModelConfig fields stored under the same name and meaning in Megatron-LM's ``args``."""
+RUN_FIELDS = {"training": ("micro_batch_size", "global_batch_size", "train_iters", "seed"),
+              "optimizer": ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
+                            "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps")}
+"""Training and optimizer fields stored under the same name and meaning in Megatron-LM's ``args``."""
+SHARDING_TYPE = "fully_sharded_model_space"
+"""Megatron-core's ``param_state_sharding_type`` whose keys are ``optimizer.state.<kind>.<model key>`` with the
+model tensor's global shape (``DistributedOptimizer.sharded_param_state_fs_model_space``); written here."""
+OPTIMIZER_KINDS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq", "master": "fp32_param"}
+"""Our optimizer state kind (``optimizer.<kind>.<name>``) -> Megatron-core's (``optimizer.state.<kind>.<key>``).
+Its ``fully_reshardable`` type names the masters ``param``: read as well."""
 
 
 class _MegatronEnum:
@@ -62,13 +73,17 @@ _ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.Mo
 
 
 def _safe_globals() -> list:
-    return [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS]
+    """What a Megatron-LM ``args`` needs allowed, less what the process allows already (torch's context manager
+    removes on exit what it was given: a global allowance, e.g. Megatron-core's, must survive our reads)."""
+    present = torch.serialization.get_safe_globals()
+    return [g for g in [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS] if g not in present]
 
 
-def read_megatron_file(path: str) -> dict[str, Any]:
-    """A Megatron-LM ``model_optim_rng.pt`` or ``common.pt`` (CRC-checked; weights-only with ``Namespace``)."""
+def read_megatron_file(path: str, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
+    """A Megatron-LM ``model_optim_rng.pt`` or ``common.pt`` (weights-only with ``Namespace``; ``mmap`` and
+    ``verify``, the CRC check: as ``read_checkpoint_file``)."""
     with torch.serialization.safe_globals(_safe_globals()):
-        return read_checkpoint_file(path)
+        return read_checkpoint_file(path, mmap=mmap, verify=verify)
 
 
 def legacy_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
@@ -80,10 +95,12 @@ def legacy_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: i
 
 
 def megatron_args(config: Config, padded_vocab: int, iteration: int, *, tp: int, pp: int, ep: int, spec: str,
-                  ckpt_format: str, experts: str) -> argparse.Namespace:
+                  ckpt_format: str, experts: str, consumed_samples: int = 0) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores (and checks on load) for our config at the given layout."""
     m = config.model
     values: dict[str, Any] = {f: getattr(m, f) for f in MODEL_FIELDS}
+    values.update({f: getattr(getattr(config, group), f) for group, fields in RUN_FIELDS.items() for f in fields})
+    values["global_batch_size"] = config.global_batch_size
     values.update(
         add_bias_linear=m.linear_bias, vocab_size=m.vocab_size, padded_vocab_size=padded_vocab,
         window_size=None if m.window_size is None else tuple(int(x) for x in m.window_size.split(",")),
@@ -91,7 +108,7 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, *, tp: int,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         transformer_impl="transformer_engine" if spec == "te" else "local", ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format == "torch_dist", moe_grouped_gemm=experts == "grouped", iteration=iteration,
-        consumed_train_samples=0, bf16=config.precision.bf16, fp16=config.precision.fp16,
+        consumed_train_samples=consumed_samples, bf16=config.precision.bf16, fp16=config.precision.fp16,
         params_dtype=torch.bfloat16 if config.precision.bf16 else torch.float16 if config.precision.fp16
         else torch.float32, seed=config.training.seed, group_query_attention=m.group_query_attention)
     return argparse.Namespace(**values)
@@ -120,10 +137,81 @@ def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     return ModelConfig(**values)
 
 
-def _check_choices(values: dict[str, Any]) -> None:
+def config_from_args(args: argparse.Namespace) -> Config:
+    """Our Config of a Megatron-LM checkpoint's ``args``: the model (:func:`model_config_from_args`), its layout and
+    the training and optimizer fields both codebases share (the rest keep our defaults)."""
+    config = Config()
+    config.model = model_config_from_args(args)
+    for group, fields in RUN_FIELDS.items():
+        section = getattr(config, group)
+        for f in fields:
+            value = getattr(args, f, None)
+            try:
+                _check_choices({f: value}, type(section))
+            except ValueError:  # Megatron-LM's WSD schedule, ...: refused on resume, not when fine-tuning
+                continue
+            if value is not None:
+                setattr(section, f, value)
+    p = config.parallel
+    p.tensor_model_parallel_size = args.tensor_model_parallel_size
+    p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
+    p.expert_model_parallel_size = getattr(args, "expert_model_parallel_size", 1) or 1
+    config.world_size = getattr(args, "world_size", None) or (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.expert_model_parallel_size)
+    config.model.vocab_size = getattr(args, "vocab_size", None) or config.model.vocab_size
+    return config
+
+
+def scheduler_from_megatron(state: dict[str, Any], global_batch_size: int) -> dict[str, Any]:
+    """Our lr scheduler's state of Megatron-LM's ``opt_param_scheduler``, which counts samples where ours counts
+    iterations (Megatron-LM steps it by the global batch size; its warmup and decay lengths are iterations times
+    the global batch size)."""
+    return {"num_steps": int(state["num_steps"]) // global_batch_size, "max_lr": state["max_lr"],
+            "min_lr": state["min_lr"], "warmup_iters": int(state["lr_warmup_steps"]) // global_batch_size,
+            "decay_iters": int(state["lr_decay_steps"]) // global_batch_size, "decay_style": state["lr_decay_style"]}
+
+
+def scheduler_to_megatron(state: dict[str, Any], config: Config) -> dict[str, Any]:
+    """Megatron-LM's ``opt_param_scheduler`` of our scheduler's state (inverse of :func:`scheduler_from_megatron`;
+    weight decay constant, as ours)."""
+    gbs, wd = config.global_batch_size, config.optimizer.weight_decay
+    return {"max_lr": state["max_lr"], "min_lr": state["min_lr"], "lr_warmup_steps": state["warmup_iters"] * gbs,
+            "num_steps": state["num_steps"] * gbs, "lr_decay_style": state["decay_style"],
+            "lr_decay_steps": state["decay_iters"] * gbs, "start_wd": wd, "end_wd": wd, "wd_incr_style": "constant",
+            "wd_incr_steps": config.training.train_iters * gbs}
+
+
+def optimizer_common(step: float | None, config: Config) -> dict[str, Any]:
+    """The ``optimizer`` entry of Megatron-core's ``common.pt`` for its distributed optimizer: torch's param group
+    values (the step count in each, as native torch AdamW keeps it) and the sharding type of the saved state."""
+    o = config.optimizer
+    groups = []
+    for wd_mult in (1.0, 0.0):  # Megatron-core's default groups: decayed weights; biases and norms without decay
+        group = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
+                 "weight_decay": o.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None,
+                 "capturable": False, "differentiable": False, "fused": None, "wd_mult": wd_mult, "lr_mult": 1.0,
+                 "is_expert_parallel": False, "is_decoupled_lr": False}
+        groups.append(group if step is None else {**group, "step": step})
+    return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING_TYPE}
+
+
+def optimizer_step_of(common: dict[str, Any]) -> float | None:
+    """AdamW's step count of Megatron-core's ``optimizer`` common entry: the distributed optimizer's param groups
+    (``step`` in each) or the plain optimizer's ``state.common_step``; None when it holds none."""
+    inner = (common or {}).get("optimizer") or {}
+    steps = {float(g["step"]) for g in inner.get("param_groups", []) if "step" in g}
+    if "common_step" in inner.get("state", {}):
+        steps.add(float(inner["state"]["common_step"]))
+    if len(steps) > 1:
+        raise ckpt.CheckpointError(f"the Megatron-LM optimizer holds several step counts {sorted(steps)}: only one "
+                                   "shared by every parameter is read here")
+    return steps.pop() if steps else None
+
+
+def _check_choices(values: dict[str, Any], owner: type = ModelConfig) -> None:
     """Raise a one-line ValueError for a value outside its field's ``Literal`` choices (Megatron-LM has more:
     ``global_aux_loss``, ``flex``, ...); ``Config.validate`` leaves choices to the command-line parser."""
-    hints = typing.get_type_hints(ModelConfig, include_extras=True)
+    hints = typing.get_type_hints(owner, include_extras=True)
     for key, value in values.items():
         hint = typing.get_args(hints[key])[0] if typing.get_origin(hints[key]) is typing.Annotated else hints[key]
         if typing.get_origin(hint) is typing.Literal and value not in typing.get_args(hint):
@@ -216,10 +304,12 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
 
 
 def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, torch.Tensor], padded_vocab: int, *,
-                tp: int, pp: int, ep: int, spec: str, experts: str) -> None:
-    """Write Megatron-LM's legacy torch format (weights; no optimizer) at layout tp x pp x ep."""
+                tp: int, pp: int, ep: int, spec: str, experts: str, consumed_samples: int = 0,
+                extra: dict[str, Any] | None = None) -> None:
+    """Write Megatron-LM's legacy torch format (weights; no optimizer) at layout tp x pp x ep; ``extra``: further
+    entries of every file (``opt_param_scheduler``)."""
     args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch",
-                         experts=experts)
+                         experts=experts, consumed_samples=consumed_samples)
     for pp_rank in range(pp):
         for tp_rank in range(tp):
             for ep_rank in range(ep):
@@ -229,7 +319,7 @@ def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, 
                 os.makedirs(path, exist_ok=True)
                 ckpt.save_atomically(os.path.join(path, FILE), {
                     "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                    "model": state, "num_floating_point_operations_so_far": 0})
+                    "model": state, "num_floating_point_operations_so_far": 0, **(extra or {})})
     ckpt.write_tracker(root, iteration)
 
 
@@ -297,8 +387,11 @@ def extra_state_keys(model: ModelConfig, spec: str) -> list[str]:
 
 
 def save_torch_dist(root: str, iteration: int, config: Config, mglobal: dict[str, torch.Tensor], padded_vocab: int,
-                    *, tp: int, pp: int, ep: int, spec: str) -> None:
-    """Write Megatron-core's torch_dist: its keys (DCP), ``metadata.json`` and ``common.pt`` with ``args``."""
+                    *, tp: int, pp: int, ep: int, spec: str, consumed_samples: int = 0,
+                    extra: dict[str, Any] | None = None) -> None:
+    """Write Megatron-core's torch_dist: its keys (DCP; optimizer state under ``optimizer.state.*`` when
+    ``mglobal`` holds it), ``metadata.json`` and ``common.pt`` with ``args`` and ``extra`` (``opt_param_scheduler``,
+    ``optimizer``)."""
     from megatron_like.training.dist_checkpointing import write_global_state
 
     path = os.path.join(root, f"iter_{iteration:07d}")
@@ -309,10 +402,10 @@ def save_torch_dist(root: str, iteration: int, config: Config, mglobal: dict[str
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)
     args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch_dist",
-                         experts="grouped")
+                         experts="grouped", consumed_samples=consumed_samples)
     ckpt.save_atomically(os.path.join(path, "common.pt"), {
         "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-        "num_floating_point_operations_so_far": 0})
+        "num_floating_point_operations_so_far": 0, **(extra or {})})
     ckpt.write_tracker(root, iteration)
 
 
@@ -337,11 +430,30 @@ def read_args(it_dir: str) -> argparse.Namespace:
     return args
 
 
-def load_torch_dist(it_dir: str) -> dict[str, torch.Tensor]:
-    """Megatron-core's global tensors (not the ``_extra_state`` objects) of a torch_dist iteration directory."""
+def model_and_optimizer_keys(it_dir: str) -> tuple[list[str], list[str]]:
+    """The tensor keys of Megatron-core's torch_dist iteration directory: the model's (its sharded keys) and the
+    optimizer's, in the model-space naming ``optimizer.state.<kind>.<model key>``; ShardedObjects (``_extra_state``,
+    ``rng_state``, stored as bytes) are neither. A distributed optimizer saved ``dp_reshardable`` (Megatron-LM's
+    default; flat buffers under ``optimizer.distributed.*``) is a one-line CheckpointError naming the way out."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from megatron_like.training.checkpoint_integrity import read_dcp_metadata
+
+    tensors = sorted(k for k, v in read_dcp_metadata(it_dir).state_dict_metadata.items()
+                     if isinstance(v, TensorStorageMetadata))
+    if any(k.startswith("optimizer.distributed.") for k in tensors):
+        raise ckpt.CheckpointError(
+            f"{it_dir} holds Megatron-LM's distributed optimizer state in its dp_reshardable layout (flat buffers of "
+            "one data-parallel layout): not read here; pass --no-load-optim, or save it in Megatron-LM with "
+            "--dist-ckpt-optim-fully-reshardable")
+    optimizer = [k for k in tensors if k.startswith("optimizer.state.")]
+    return [k for k in tensors if not k.startswith("optimizer.")], optimizer
+
+
+def load_torch_dist(it_dir: str, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Megatron-core's global tensors ``keys`` (default: the model's) of a torch_dist iteration directory."""
     from megatron_like.training.dist_checkpointing import read_full_tensors
 
     root, name = os.path.split(it_dir.rstrip(os.sep))
-    keys = sorted(k for k in read_dcp_metadata(it_dir).state_dict_metadata if "_extra_state" not in k)
+    keys = model_and_optimizer_keys(it_dir)[0] if keys is None else keys
     return read_full_tensors(root, keys, int(name[len("iter_"):]))

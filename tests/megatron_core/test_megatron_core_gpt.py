@@ -1,8 +1,8 @@
 """Megatron-core's own GPTModel (megatron-core 0.16.1, local layer spec, CPU, one gloo process) against ours,
 through tools/convert_megatron.py: our checkpoint exported to Megatron-core's torch_dist loads with its
 ``dist_checkpointing.load`` (strict about keys and shapes) into its GPTModel and gives our logits; its module
-state dict (the legacy files' names) maps back to exactly our keys. Not covered: a file written by its own
-``dist_checkpointing.save`` (its writer forks a process per bucket and hangs on this CPU-only set-up).
+state dict (the legacy files' names) maps back to exactly our keys; and a checkpoint its own
+``dist_checkpointing.save`` wrote (its writer's buckets written in process) gives its logits through our readers.
 Skipped where megatron-core is not importable (conftest.py)."""
 
 from __future__ import annotations
@@ -105,3 +105,68 @@ def test_megatron_core_reads_our_export_and_we_read_its_save(tmp_path, megatron_
     assert sorted(back) == sorted(full)
     for name in full:
         assert torch.equal(back[name], full[name]), name
+
+
+@contextlib.contextmanager
+def writes_in_process():
+    """Megatron-core's torch_dist writer without its processes: its results queue (a ``multiprocessing`` Manager,
+    a forked server) and its forked writer per bucket hang in this CPU set-up, so each bucket is written here, in
+    turn, by its own ``write_preloaded_data`` (the bytes and the index are its writer's); its staging waits for the
+    CUDA device after copying to the host (nothing to wait for on the CPU), and its memory log needs psutil."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    def in_turn(transform_list, use_msc, rank, write_buckets, global_results_queue):
+        results, counts, written = queue.Queue(), queue.Queue(), {}
+        for index, bucket in enumerate(write_buckets):
+            counts.put(index)
+            fa.FileSystemWriterAsync.write_preloaded_data(transform_list, index, bucket, results, counts, True)
+            index, result = results.get()
+            if isinstance(result, Exception):
+                global_results_queue.put(result)
+                return
+            written[index] = result
+        global_results_queue.put(written)
+
+    saved = (fa._get_write_results_queue, fa.FileSystemWriterAsync.write_preloaded_data_multiproc,
+             torch.cuda.synchronize, fa._process_memory)
+    fa._get_write_results_queue, fa._process_memory = queue.Queue, lambda: 0
+    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(in_turn)
+    torch.cuda.synchronize = lambda *args: None
+    try:
+        yield
+    finally:
+        fa._get_write_results_queue, torch.cuda.synchronize, fa._process_memory = saved[0], saved[2], saved[3]
+        fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(saved[1])
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_we_load_a_checkpoint_megatron_core_saved(tmp_path, megatron_core, kind):
+    """Megatron-core's ``dist_checkpointing.save`` of its GPTModel (its keys, stacking, fused layouts, metadata.json,
+    common.pt; ``args`` from our writer, as Megatron-LM's trainer adds its own) read by ``--load``'s reader and by
+    generation: our model gives its logits."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_like.training import megatron_format as mf
+    from megatron_like.training.checkpointing import write_tracker
+
+    _save_ours(tmp_path / "ours", kind)  # only to give Megatron-core's model our weights and args their values
+    convert_megatron.main(["--direction", "to-megatron", "--load", str(tmp_path / "ours"), "--save",
+                           str(tmp_path / "export")])
+    model = build_megatron_gpt(kind)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(),
+                                                  str(tmp_path / "export" / "iter_0000007")), strict=False)
+    args = mf.read_megatron_file(str(tmp_path / "export" / "iter_0000007" / "common.pt"))["args"]
+    it_dir = tmp_path / "mlm" / "iter_0000005"
+    it_dir.mkdir(parents=True)
+    with writes_in_process():
+        dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args, "iteration": 5,
+                                 "checkpoint_version": 3.0}, str(it_dir))
+    write_tracker(str(tmp_path / "mlm"), 5)
+    config, full = load_full_state(str(tmp_path / "mlm"))
+    ours = load_full_state(str(tmp_path / "ours"))[1]
+    assert config.model.num_layers == 2 and sorted(full) == sorted(ours)
+    for name in ours:
+        assert torch.equal(full[name], ours[name]), name
+    torch.testing.assert_close(our_logits(str(tmp_path / "mlm")), megatron_logits(model), rtol=2e-4, atol=2e-4)

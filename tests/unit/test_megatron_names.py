@@ -42,6 +42,7 @@ MODELS = {
     "gpt2": ModelConfig(**BASE),
     "llama": ModelConfig(**LLAMA),
     "mixtral": ModelConfig(**LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8),
+    "qwen3": ModelConfig(**LLAMA, qk_layernorm=True, kv_channels=8),  # head dim 8 > hidden / heads
     "moe_every_2nd_shared": ModelConfig(**LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
                                         moe_layer_freq="2", moe_shared_expert_intermediate_size=8),
 }
@@ -70,6 +71,18 @@ EXPECTED = {
         "decoder.layers.self_attention.linear_proj.weight": (2, 16, 16),
         "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),
         "decoder.layers.mlp.linear_fc1.weight": (2, 64, 16),  # gate 32 rows, then up 32 rows
+        "decoder.layers.mlp.linear_fc2.weight": (2, 16, 32),
+        "decoder.final_layernorm.weight": (16,), "output_layer.weight": (64, 16),
+    },
+    ("qwen3", "te"): {
+        "embedding.word_embeddings.weight": (64, 16),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (2, 16),
+        "decoder.layers.self_attention.linear_qkv.weight": (2, 64, 16),  # (4 + 2 * 2) heads of 8
+        "decoder.layers.self_attention.q_layernorm.weight": (2, 8),
+        "decoder.layers.self_attention.k_layernorm.weight": (2, 8),
+        "decoder.layers.self_attention.linear_proj.weight": (2, 16, 32),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),
+        "decoder.layers.mlp.linear_fc1.weight": (2, 64, 16),
         "decoder.layers.mlp.linear_fc2.weight": (2, 16, 32),
         "decoder.final_layernorm.weight": (16,), "output_layer.weight": (64, 16),
     },
@@ -226,6 +239,8 @@ ROUND_TRIPS = [  # (model, Megatron format, layer spec, expert style, tp, pp, ep
     ("gpt2", "torch_dist", "local", "grouped", 1, 1, 1),
     ("llama", "torch", "te", "grouped", 2, 1, 1),
     ("llama", "torch_dist", "te", "grouped", 2, 2, 1),
+    ("qwen3", "torch", "te", "grouped", 2, 1, 1),
+    ("qwen3", "torch_dist", "te", "grouped", 1, 1, 1),
     ("mixtral", "torch", "local", "grouped", 2, 2, 2),
     ("mixtral", "torch", "te", "sequential", 1, 1, 4),
     ("mixtral", "torch_dist", "local", "grouped", 1, 1, 1),

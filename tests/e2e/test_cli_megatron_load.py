@@ -1,0 +1,76 @@
+"""pretrain_gpt.py --load of a Megatron-LM checkpoint, no conversion step: our run saved at iteration 3, written in
+Megatron-LM's files (tools/convert_megatron.py), continues from them at another layout with the losses of the
+uninterrupted run (torch_dist, at tp 2 x dp 2 with ZeRO-1: weights, AdamW moments and step, lr schedule, consumed
+samples) or of our own resume
+without the optimizer (legacy files, whose optimizer state is refused in one line)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from megatron_like.training.checkpointing import write_tracker
+from tests.e2e.cli import ISSUE_FLAGS, launch, logged_losses, run_script
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
+import convert_megatron  # noqa: E402
+
+FLAGS = ISSUE_FLAGS + ["--lr-decay-style", "cosine", "--lr-warmup-iters", "2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """(our checkpoint directory naming iteration 3, the uninterrupted run's losses)."""
+    save = str(tmp_path_factory.mktemp("ours") / "ckpt")
+    losses = logged_losses(launch(1, FLAGS + ["--ckpt-format", "torch_dist", "--save", save, "--save-interval", "3"]))
+    write_tracker(save, 3)
+    return save, losses
+
+
+def _to_megatron(ours: str, mlm: str, *flags: str) -> None:
+    convert_megatron.main(["--direction", "to-megatron", "--load", ours, "--save", mlm, "--iteration", "3", *flags])
+
+
+def test_cli_continues_a_megatron_torch_dist_checkpoint_with_its_optimizer(tmp_path, straight):
+    ours, losses = straight
+    mlm = str(tmp_path / "mlm")
+    _to_megatron(ours, mlm, "--target-tensor-parallel-size", "2")
+    # tp 2 x dp 2 with ZeRO-1: each rank copies its flat optimizer shards' boxes out of the whole tensors
+    out = launch(4, FLAGS + ["--tensor-model-parallel-size", "2", "--zero-stage", "1", "--load", mlm])
+    assert f" > loaded checkpoint from {mlm} at iteration 3" in out
+    resumed = logged_losses(out)
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(losses[iteration], rel=1e-5), f"iteration {iteration}"
+
+
+def test_cli_continues_a_megatron_legacy_checkpoint_without_its_optimizer(tmp_path, straight):
+    ours, _ = straight
+    mlm = str(tmp_path / "mlm")
+    _to_megatron(ours, mlm, "--ckpt-format", "torch", "--target-pipeline-model-parallel-size", "2")
+    own = logged_losses(launch(1, FLAGS + ["--load", ours, "--no-load-optim"]))
+    out = launch(2, FLAGS + ["--pipeline-model-parallel-size", "2", "--load", mlm, "--no-load-optim"])
+    resumed = logged_losses(out)
+    assert sorted(resumed) == sorted(own) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(own[iteration], rel=1e-5), f"iteration {iteration}"
+    refused = run_script("pretrain_gpt.py", *FLAGS, "--load", mlm, "--num-layers", "3", check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error: ")]
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert errors == [f"error: Megatron-LM checkpoint {mlm}/iter_0000003 has --num-layers 2 but this run has 3; "
+                      "pass the checkpoint's value"], refused.stderr
+
+
+def test_cli_continues_a_megatron_checkpoint_of_a_bf16_run_with_its_fp32_masters(tmp_path):
+    """bf16 parameters: the fp32 masters travel as Megatron-core's ``fp32_param`` and come back as ours (from the
+    bf16 weights the run would lose its masters' low bits and part from the uninterrupted run)."""
+    flags = FLAGS + ["--bf16"]
+    ours, mlm = str(tmp_path / "ours"), str(tmp_path / "mlm")
+    straight = logged_losses(launch(1, flags + ["--save", ours, "--save-interval", "3"]))
+    _to_megatron(ours, mlm)
+    resumed = logged_losses(launch(2, flags + ["--zero-stage", "1", "--load", mlm]))
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-5), f"iteration {iteration}"
