@@ -152,17 +152,28 @@ def test_an_mtp_depth_converts_to_deepseeks_published_layer_and_back(tmp_path):
         assert torch.equal(back[name], tensor), name
 
 
-def deepseek_mtp_logits(hf_state: dict, config: transformers.DeepseekV3Config, ids: torch.Tensor) -> torch.Tensor:
+def fused_experts(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A decoder layer's published per-expert tensors -> transformers' in-memory ``experts.gate_up_proj [E, 2f, h]``
+    (gate rows, then up rows) and ``experts.down_proj [E, h, f]``."""
+    out = {k: v for k, v in layer.items() if not k.startswith("mlp.experts.")}
+    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([layer[f"mlp.experts.{e}.gate_proj.weight"],
+                                                              layer[f"mlp.experts.{e}.up_proj.weight"]])
+                                                   for e in range(EXPERTS)])
+    out["mlp.experts.down_proj"] = torch.stack([layer[f"mlp.experts.{e}.down_proj.weight"] for e in range(EXPERTS)])
+    return out
+
+
+def deepseek_mtp_logits(hf, hf_state: dict, ids: torch.Tensor) -> torch.Tensor:
     """DeepSeek-V3's MTP module (its paper's §2.2 and its inference code's ``MTPLayer``) built from transformers'
-    own decoder layer and norms and loaded from the HF layout: depth 1's logits ``[b, s - 1, v]`` (position t
-    predicts token t + 2 from the main model's final hidden state at t and token t + 1's embedding)."""
-    hf = transformers.DeepseekV3ForCausalLM(config).eval()
-    hf.load_state_dict({k: v for k, v in hf_state.items() if not k.startswith(f"model.layers.{LAYERS}.")})
+    own decoder layer and norms, loaded from the HF layout, on top of the main model ``hf``: depth 1's logits
+    ``[b, s - 1, v]`` (position t predicts token t + 2 from the main model's final hidden state at t and token
+    t + 1's embedding)."""
+    config = hf.config
     prefix = f"model.layers.{LAYERS}."
     mtp = {k[len(prefix):]: v for k, v in hf_state.items() if k.startswith(prefix)}
     layer = hf_modeling.DeepseekV3DecoderLayer(config, layer_idx=LAYERS).eval()
-    layer.load_state_dict({k: v for k, v in mtp.items() if k.startswith(("self_attn.", "mlp.", "input_layernorm.",
-                                                                          "post_attention_layernorm."))})
+    layer.load_state_dict(fused_experts({k: v for k, v in mtp.items() if k.startswith((
+        "self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm."))}))
     norms = {}
     for name in ("enorm", "hnorm", "shared_head.norm"):
         norms[name] = hf_modeling.DeepseekV3RMSNorm(H, eps=config.rms_norm_eps)
@@ -183,8 +194,7 @@ def test_the_converted_mtp_depth_computes_what_deepseeks_mtp_module_computes(tmp
     hf = tiny_deepseek()
     ours = mtp_model(hf, tmp_path)
     state = hf_deepseek_v3.to_hf_state(ours.state_dict(), ours.config, VOCAB)
-    hf.config._attn_implementation = "eager"
-    logits = deepseek_mtp_logits(state, hf.config, IDS)
+    logits = deepseek_mtp_logits(hf, state, IDS)
     labels = torch.cat([IDS[:, 1:], IDS[:, :1]], dim=1)  # any token after the last: its MTP target is masked
     with torch.no_grad():
         per_token = ours(IDS, None, labels=labels, with_mtp=True)  # [1 + D, b, s]
