@@ -28,6 +28,16 @@ Qwen3 changes two more: ``--kv-channels d`` makes the attention ``a d`` wide ins
 rotary and attention-output terms scale by ``a d / h``; ``--qk-layernorm`` keeps the norms' inputs, Q and K
 ``(1 + g / a) e``, and their per-head statistics (RMSNorm one float32 per head and token, LayerNorm two).
 
+Multi-latent attention (``--multi-latent-attention``, docs/models.md; ``n``, ``r``, ``v`` the per-head no-position,
+position and value features, ``c`` and ``c_q`` the kv and query latents) keeps, beside the norms and the MLP: the
+latents' norm inputs and outputs ``2 c e + 2 c_q e`` with their fp32 statistics (whole on each tp rank, split with
+sequence parallelism; the down-projections read the attention input already counted), and per head (split by tp)
+q and k ``2 (n + r) e``, v as a view of the kv up-projection's ``(n + v) e`` output, the output ``v e`` and its
+merged copy ``v e`` with the flash log-sum-exp. Value heads narrower than query heads send SDPA on CPU down its
+math path: the ``[s, s]`` probabilities ``4 a s`` (12 with dropout), fp32 q, k and v for 16-bit, no output copy.
+Selective recompute keeps the core's inputs instead: the q up-projection's output, the kv one's, and the whole
+kv down-projection output under its ``k_rope`` view.
+
 An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
 and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
 ``N`` (token, expert) pairs (``T k``; with a capacity ``min(T k, E C)``, an upper bound as some experts take
