@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 
 import pytest
 import torch
@@ -55,8 +56,16 @@ def reference(kind: str = "tied") -> dict:
 
 
 @functools.cache
+def moe_checkpoint() -> str:
+    """Where the deepseek-moe-ep2 case saves its last iteration (torch_dist)."""
+    return tempfile.mkdtemp(prefix="mtp_moe_ep2_")
+
+
+@functools.cache
 def runs() -> dict[str, dict]:
-    per_rank = run_distributed(train_gpt_many, 2, [MTP + flags for flags in CASES.values()], timeout=900)
+    flag_lists = [MTP + flags + (["--save", moe_checkpoint(), "--save-interval", "3"] if name == "deepseek-moe-ep2"
+                                 else []) for name, flags in CASES.items()]
+    per_rank = run_distributed(train_gpt_many, 2, flag_lists, timeout=900)
     return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(CASES)}
 
 
@@ -88,6 +97,25 @@ def test_moe_mtp_layers_route_and_balance_like_single_process() -> None:
     assert any(bias.abs().sum() > 0 for bias in expected["expert_biases"][-1].values())
     assert_same_router_losses(expected, run)
     assert_same_expert_biases(expected, run)
+
+
+def test_one_process_loads_the_ep2_moe_mtp_checkpoint() -> None:
+    """torch_dist saved at ep 2: every weight (each depth's experts whole) and the depths' expert biases load in one
+    process as the run left them."""
+    from megatron_like.inference import load_inference_model
+    from megatron_like.parallel_state import ParallelState
+
+    run = runs()["deepseek-moe-ep2"]
+    loaded = load_inference_model(moe_checkpoint(), ParallelState.single_process(torch.device("cpu")),
+                                  with_tokenizer=False).model[0]
+    named = dict(loaded.named_parameters())
+    assert named.keys() == run["params"].keys()
+    for name, tensor in named.items():
+        torch.testing.assert_close(tensor, run["params"][name], rtol=0, atol=0, msg=name)
+    state = loaded.state_dict()
+    for depth, layer in enumerate((4, 5)):
+        assert torch.equal(state[f"mtp.layers.{depth}.transformer_layer.0.mlp.router.expert_bias"],
+                           run["expert_biases"][-1][layer])
 
 
 def test_mtp_reference_logs_each_depth_and_learns() -> None:
