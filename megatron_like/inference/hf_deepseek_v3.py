@@ -313,6 +313,10 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_
     """Our full state (vocabulary zero-padded to ``padded_vocab_size``) of HF DeepSeek-V3 tensors
     (``rope_interleave``: the config's flag, DeepSeek-V3's default)."""
     hf = {k: v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    scales = sorted(k for k in hf if k.endswith("weight_scale_inv"))
+    if scales:  # DeepSeek publishes V3 in FP8 blocks with their scales
+        raise ValueError(f"{scales[0]}: an FP8 block-quantized checkpoint; dequantize it to bf16 first (DeepSeek's "
+                         "inference/fp8_cast_bf16.py)")
     expected = set(to_hf_state(_zeros_like_ours(hf, model), model, hf["model.embed_tokens.weight"].shape[0]))
     unknown, missing = sorted(set(hf) - expected), sorted(expected - set(hf))
     if unknown or missing:

@@ -232,6 +232,17 @@ def test_hf_configs_we_cannot_hold_are_refused_in_one_line(override, message):
     assert "\n" not in str(error.value)
 
 
+def test_an_fp8_checkpoint_is_refused_in_one_line():
+    """DeepSeek publishes V3's weights as FP8 blocks with ``weight_scale_inv`` tensors beside them."""
+    hf = tiny_deepseek()
+    state = dict(hf.state_dict())
+    state["model.layers.0.self_attn.q_a_proj.weight_scale_inv"] = torch.ones(1, 1)
+    config = hf_deepseek_v3.model_config_from_hf(hf.config.to_dict())
+    with pytest.raises(ValueError, match="q_a_proj.weight_scale_inv: an FP8 block-quantized checkpoint") as error:
+        hf_deepseek_v3.from_hf_state(state, config, VOCAB)
+    assert "\n" not in str(error.value)
+
+
 def test_convert_hf_picks_the_deepseek_converter():
     model = hf_deepseek_v3.model_config_from_hf(tiny_deepseek().config.to_dict())
     assert convert_hf.hf_family(model) is hf_deepseek_v3
