@@ -1,6 +1,6 @@
 """Convert between our checkpoints (any tp/pp/ep layout) and Hugging Face ``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM`` and
-``Qwen3MoeForCausalLM`` directories.
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+``Qwen3MoeForCausalLM`` and ``DeepseekV3ForCausalLM`` directories.
 
     python tools/convert_hf.py to-hf --load checkpoints/gpt --save hf/gpt
     python tools/convert_hf.py from-hf --load hf/llama --save checkpoints/llama-tp2pp2 \\
@@ -10,8 +10,10 @@ The family follows the model: a GPT-2-style checkpoint (learned positions, Layer
 ``GPT2LMHeadModel``; a Llama-style one (rope, RMSNorm, SwiGLU, no biases) a ``LlamaForCausalLM``, or a
 ``MistralForCausalLM`` with ``--window-size``, a ``Qwen2ForCausalLM`` with ``--add-qkv-bias``, a
 ``MixtralForCausalLM`` with ``--num-experts``; with ``--qk-layernorm`` a ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM``
-with ``--num-experts``). ``from-hf`` reads ``model_type`` (gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe).
-A Mixtral or Qwen3-MoE checkpoint holds each layer's experts as one
+with ``--num-experts``); with ``--multi-latent-attention`` a ``DeepseekV3ForCausalLM`` (MTP depths included, as DeepSeek
+publishes them). ``from-hf`` reads ``model_type`` (gpt2, llama, mistral, qwen2, qwen3, mixtral, qwen3_moe,
+deepseek_v3).
+A Mixtral, Qwen3-MoE or DeepSeek-V3 checkpoint holds each layer's experts as one
 global ``[E, ...]`` tensor, which loads at any ``--expert-model-parallel-size`` (docs/moe.md); the flag here
 records the layout in the saved arguments like the other layout flags.
 
@@ -37,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_like.config import Config, DataConfig, ModelConfig, QuietArgumentParser  # noqa: E402
 from megatron_like.config.compare import lost_in_conversion  # noqa: E402
-from megatron_like.inference import hf_gpt2, hf_llama, hf_mixtral, hf_qwen3  # noqa: E402
+from megatron_like.inference import hf_deepseek_v3, hf_gpt2, hf_llama, hf_mixtral, hf_qwen3  # noqa: E402
 from megatron_like.model.state import load_full_state  # noqa: E402
 
 
@@ -95,7 +97,10 @@ def to_hf(args: argparse.Namespace) -> None:
 
 
 def hf_family(model: ModelConfig):
-    """The converter module of our model: Qwen3 / Qwen3-MoE (QK-norm), Mixtral (experts), Llama-style, or GPT-2."""
+    """The converter module of our model: DeepSeek-V3 (MLA), Qwen3 / Qwen3-MoE (QK-norm), Mixtral (experts),
+    Llama-style, or GPT-2."""
+    if model.multi_latent_attention:
+        return hf_deepseek_v3
     if model.qk_layernorm:
         return hf_qwen3
     if model.num_experts is not None:
@@ -113,10 +118,12 @@ def from_hf(args: argparse.Namespace) -> None:
     hf_config, hf_state = hf_gpt2.read_hf_dir(args.load)
     model_type = hf_config.get("model_type")
     families = {"mixtral": hf_mixtral, **dict.fromkeys(hf_llama.FAMILIES, hf_llama),
-                **dict.fromkeys(hf_qwen3.FAMILIES, hf_qwen3)}
+                **dict.fromkeys(hf_qwen3.FAMILIES, hf_qwen3), **dict.fromkeys(hf_deepseek_v3.FAMILIES, hf_deepseek_v3)}
     family = families.get(model_type, hf_gpt2)
     config = Config()
-    config.model = family.model_config_from_hf(hf_config)
+    deepseek = family is hf_deepseek_v3  # its MTP depths count only when the weights hold them
+    config.model = (hf_deepseek_v3.model_config_from_hf(hf_config, hf_state.keys()) if deepseek
+                    else family.model_config_from_hf(hf_config))
     p = config.parallel
     p.tensor_model_parallel_size = args.tensor_model_parallel_size
     p.pipeline_model_parallel_size = args.pipeline_model_parallel_size
@@ -141,7 +148,10 @@ def from_hf(args: argparse.Namespace) -> None:
         config.data.tokenizer_model = os.path.join(tokenizer_dir, "tokenizer.json")
     config.validate()
     padded = config.padded_vocab_size(config.model.vocab_size)
-    full = family.from_hf_state(hf_state, config.model, padded)
+    if deepseek:
+        full = family.from_hf_state(hf_state, config.model, padded, hf_config.get("rope_interleave", True))
+    else:
+        full = family.from_hf_state(hf_state, config.model, padded)
     from megatron_like.training.dist_checkpointing import save_full_state
 
     if not config.model.untie_embeddings_and_output_weights:
@@ -155,21 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = QuietArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="direction", required=True)
     a = sub.add_parser("to-hf", help="our checkpoint -> Hugging Face GPT-2 / Llama / Qwen2 / Qwen3 / Mixtral / "
-                                     "Qwen3-MoE directory")
+                                     "Qwen3-MoE / DeepSeek-V3 directory")
     a.add_argument("--load", required=True, help="Our checkpoint directory (any tp/pp/ep layout).")
     a.add_argument("--save", required=True, help="Output Hugging Face directory.")
     a.add_argument("--iteration", type=int, help="Iteration to convert (default: the latest).")
     a.add_argument("--vocab-size", type=int, help="Real vocabulary size (default: the tokenizer's or config's).")
-    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE "
-                                       "directory -> our checkpoint")
+    b = sub.add_parser("from-hf", help="Hugging Face GPT-2 / Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / "
+                                       "DeepSeek-V3 directory -> our checkpoint")
     b.add_argument("--load", required=True, help="Hugging Face model directory (config.json + weights).")
     b.add_argument("--save", required=True, help="Output checkpoint directory.")
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     b.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     b.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     b.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="Mixtral, Qwen3-MoE: the expert-parallel size recorded in the saved arguments (the experts "
-                        "load at any)")
+                   help="Mixtral, Qwen3-MoE, DeepSeek-V3: the expert-parallel size recorded in the saved arguments "
+                        "(the experts load at any)")
     b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     return parser
 

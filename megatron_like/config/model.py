@@ -371,8 +371,14 @@ class ModelConfig:
         return parse_moe_layer_freq(self.moe_layer_freq, self.num_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether global layer ``layer`` is MoE; indices from --num-layers on are MTP layers, which are dense."""
-        return layer < self.num_layers and self.moe_layer_pattern[layer]
+        """Whether global layer ``layer`` is MoE. Indices from --num-layers on are the MTP depths' layers: they take
+        the main model's last layer's kind (Megatron-LM's MTP spec; DeepSeek-V3's MTP layer is MoE)."""
+        return self.moe_layer_pattern[min(layer, self.num_layers - 1)]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Global indices of the MoE layers, the MTP depths' (``num_layers + depth``) included."""
+        return [layer for layer in range(self.num_layers + (self.mtp_num_layers or 0)) if self.is_moe_layer(layer)]
 
     @property
     def moe_sinkhorn_routing(self) -> bool:

@@ -171,7 +171,8 @@ def build_units(chunk: nn.Module) -> list[tuple[nn.Module, list[list[nn.Paramete
     """``(module, [params of each bucket])`` per unit: the chunk's layers in backward order, then its root.
 
     The root (every parameter outside ``chunk.layers``) is split into the tied word embedding, if the
-    chunk holds it, and the rest; a layer's expert parameters (MoE) are a bucket of their own.
+    chunk holds it, and the rest; a layer's expert parameters (MoE) are a bucket of their own, and so are the
+    root's (the MoE layers of multi-token prediction depths).
     """
     layers = list(getattr(chunk, "layers", []))
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
@@ -184,7 +185,10 @@ def build_units(chunk: nn.Module) -> list[tuple[nn.Module, list[list[nn.Paramete
             units.append((layer, [bucket for bucket in (dense, experts) if bucket]))
     shared = chunk.shared_embedding_weight() if hasattr(chunk, "shared_embedding_weight") else None
     root = [p for p in chunk.parameters() if p.requires_grad and id(p) not in in_layers and p is not shared]
-    root_buckets = [root] if root else []
+    # The root holds the MTP depths' layers too (model/mtp.py): MoE ones bring experts, reduced over expert-dp.
+    root_buckets = [bucket for bucket in (
+        [p for p in root if not getattr(p, "expert_parallel", False)],
+        [p for p in root if getattr(p, "expert_parallel", False)]) if bucket]
     if shared is not None and shared.requires_grad:
         root_buckets.append([shared])
     if root_buckets:

@@ -161,6 +161,18 @@ def _qkv_to_hf(w: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, 
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def swiglu_to_hf(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our SwiGLU ``fc1 [2 f, h]`` (row 2i gate i, row 2i + 1 up i) -> HF's ``gate_proj``, ``up_proj [f, h]``."""
+    pairs = fc1.reshape(-1, 2, fc1.shape[1])
+    return pairs[:, 0], pairs[:, 1]
+
+
+def swiglu_from_hf(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF's ``gate_proj``, ``up_proj [f, h]`` -> our interleaved SwiGLU ``fc1 [2 f, h]``; the inverse of
+    :func:`swiglu_to_hf`."""
+    return torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
+
+
 def to_hf_state(full: dict[str, torch.Tensor], model: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """HF tensors (``model.*``, ``lm_head.weight`` when untied) of our full state, vocabulary trimmed."""
     check_llama_style(model)
@@ -177,8 +189,7 @@ def to_hf_state(full: dict[str, torch.Tensor], model: ModelConfig, vocab_size: i
             for proj, part in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
                 out[f"{prefix}self_attn.{proj}.{kind}"] = part
         elif rest == "mlp.fc1.weight":
-            pairs = tensor.reshape(-1, 2, tensor.shape[1])
-            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = pairs[:, 0], pairs[:, 1]
+            out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = swiglu_to_hf(tensor)
         else:
             out[prefix + _LAYER_MAP[rest]] = tensor
     return {k: v.float().contiguous().clone() for k, v in out.items()}
@@ -206,8 +217,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], model: ModelConfig, padded_vocab_
             q, k, v = (hf[f"{prefix}self_attn.{p}.{kind}"] for p in ("q_proj", "k_proj", "v_proj"))
             full[f"layers.{layer}.attention.qkv.{kind}"] = _qkv_to_ours(q, k, v, groups)
         elif rest == "mlp.gate_proj.weight":
-            gate, up = tensor, hf[prefix + "mlp.up_proj.weight"]
-            full[f"layers.{layer}.mlp.fc1.weight"] = torch.stack([gate, up], dim=1).reshape(-1, gate.shape[1])
+            full[f"layers.{layer}.mlp.fc1.weight"] = swiglu_from_hf(tensor, hf[prefix + "mlp.up_proj.weight"])
         elif rest in reverse_layer:
             full[f"layers.{layer}.{reverse_layer[rest]}"] = tensor
         elif not rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.", "mlp.up_proj.")):

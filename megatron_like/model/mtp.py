@@ -10,7 +10,9 @@ final hidden state (after its final norm, the tensor the output layer sees, as i
 model's word embedding (the same parameter, or the last stage's tied copy of it: ``gpt.py``); learned position
 embeddings are not added (the depth's input already carries the position through ``h^(k-1)``). The embedding comes
 first in the concatenation, as in Megatron-LM and DeepSeek-V3's released weights. Each depth's transformer layer is
-an ordinary dense ``TransformerLayer`` with global index ``num_layers + k - 1`` (its weights' generator names).
+an ordinary ``TransformerLayer`` with global index ``num_layers + k - 1`` (its weights' generator names), of the main
+model's last layer's kind (``ModelConfig.is_moe_layer``): an MoE layer in an MoE model whose last layer is MoE, as
+DeepSeek-V3's and Megatron-LM's (the same router, expert bias, experts and shared expert as any MoE layer).
 
 Loss (:func:`mtp_loss`): depth ``k``'s per-token loss at ``t`` is masked by ``loss_mask[t+k]`` (the mask of the
 token it predicts; the last ``k`` positions have no target in the sample and are masked out) and averaged over

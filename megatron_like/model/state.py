@@ -61,13 +61,13 @@ def _pattern(name: str) -> str:
 @functools.cache
 def _tiny_models() -> tuple[GPTModel, ...]:
     """Tiny single-process models with every kind of parameter: a dense one with --qk-layernorm, a
-    mixture-of-experts one with a shared expert (both with an untied output layer) and multi-latent attention ones
-    with and without the query latent."""
+    mixture-of-experts one with a shared expert (both with an untied output layer and an MTP depth, the MoE one's MoE)
+    and multi-latent attention ones with and without the query latent."""
     dense = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4,
                         untie_embeddings_and_output_weights=True, qk_layernorm=True, mtp_num_layers=1)
     moe = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
                       untie_embeddings_and_output_weights=True, num_experts=2, moe_router_topk=1,
-                      moe_shared_expert_intermediate_size=8)
+                      moe_shared_expert_intermediate_size=8, mtp_num_layers=1)  # an MoE MTP layer too
     mla = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, disable_bias_linear=True,
                       position_embedding_type="rope", multi_latent_attention=True, q_lora_rank=4, kv_lora_rank=4,
                       qk_head_dim=2, qk_pos_emb_head_dim=2, v_head_dim=2)

@@ -28,6 +28,16 @@ Qwen3 changes two more: ``--kv-channels d`` makes the attention ``a d`` wide ins
 rotary and attention-output terms scale by ``a d / h``; ``--qk-layernorm`` keeps the norms' inputs, Q and K
 ``(1 + g / a) e``, and their per-head statistics (RMSNorm one float32 per head and token, LayerNorm two).
 
+Multi-latent attention (``--multi-latent-attention``, docs/models.md; ``n``, ``r``, ``v`` the per-head no-position,
+position and value features, ``c`` and ``c_q`` the kv and query latents) keeps, beside the norms and the MLP: the
+latents' norm inputs and outputs ``2 c e + 2 c_q e`` with their fp32 statistics (whole on each tp rank, split with
+sequence parallelism; the down-projections read the attention input already counted), and per head (split by tp)
+q and k ``2 (n + r) e``, v as a view of the kv up-projection's ``(n + v) e`` output, the output ``v e`` and its
+merged copy ``v e`` with the flash log-sum-exp. Value heads narrower than query heads send SDPA on CPU down its
+math path: the ``[s, s]`` probabilities ``4 a s`` (12 with dropout), fp32 q, k and v for 16-bit, no output copy.
+Selective recompute keeps the core's inputs instead: the q up-projection's output, the kv one's, and the whole
+kv down-projection output under its ``k_rope`` view.
+
 An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
 and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
 ``N`` (token, expert) pairs (``T k``; with a capacity ``min(T k, E C)``, an upper bound as some experts take
@@ -127,6 +137,12 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     masks = 2 if m.hidden_dropout > 0 else 0
     norm_input = e if m.normalization == "LayerNorm" else e + 4 / h  # RMSNorm: input and fp32 1/rms per row
     replicated = (2 * norm_input + 2 * e + masks) * s * b * h / (tp if p.sequence_parallel else 1)
+    if m.multi_latent_attention:
+        latent, attention, core = mla_attention_terms(config, recompute, device)
+        mlp = (3 if m.swiglu else 2) * e * m.ffn_size / h
+        replicated += latent * s * b / (tp if p.sequence_parallel else 1)
+        split = (attention + mlp * h) * s * b / tp
+        return replicated + split + core * s * b / tp + _moe_mlp_difference(config, mlp)
     window = m.attention_window
     # context parallelism runs every mode on the blockwise core
     blockwise = (window is not None and window < m.seq_length) or config.data.reset_attention_mask \
@@ -145,11 +161,7 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
     mlp_matrices = 3 if m.swiglu else 2  # SwiGLU: gate/up output 2f, result f; GELU: input, output
     mlp = mlp_matrices * e * ffn_ratio
     split = ((qkv + e) * width + mlp) * s * b * h / tp
-    pattern = m.moe_layer_pattern
-    moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
-    if moe_fraction:  # average the dense MLP terms with the MoE layer's (module docstring)
-        dense_mlp = e * s * b * h / (tp if p.sequence_parallel else 1) + mlp * s * b * h / tp
-        replicated += moe_fraction * (moe_mlp_activation_bytes(config) - dense_mlp)
+    replicated += _moe_mlp_difference(config, mlp)
     core = 0.0
     attention_dropout = m.attention_dropout > 0
     if recompute != "selective":
@@ -165,6 +177,42 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         else:
             core = 4 * a * s * b / tp  # flash attention's log-sum-exp
     return replicated + split + core
+
+
+def _moe_mlp_difference(config: Config, mlp: float) -> float:
+    """What the MoE layers change in the average layer's bytes: their share of the layers times (the MoE layer's
+    terms less the dense MLP's; ``mlp`` is the latter's split term per ``s b h``; module docstring)."""
+    m, p = config.model, config.parallel
+    pattern = m.moe_layer_pattern
+    moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
+    if not moe_fraction:
+        return 0.0
+    s, b, h = local_seq_length(config), config.training.micro_batch_size, m.hidden_size
+    tp, e = p.tensor_model_parallel_size, element_bytes(config)
+    dense_mlp = e * s * b * h / (tp if p.sequence_parallel else 1) + mlp * s * b * h / tp
+    return moe_fraction * (moe_mlp_activation_bytes(config) - dense_mlp)
+
+
+def mla_attention_terms(config: Config, recompute: str | None, device: str) -> tuple[float, float, float]:
+    """Multi-latent attention's bytes per token (module docstring), beyond the norms' and the MLP's:
+    ``(latent terms, kept whole (split by tp with sequence parallelism); head terms, split by tp; the attention
+    core's, split by tp)``."""
+    m, e = config.model, element_bytes(config)
+    a, nope, rope, v, c = m.num_attention_heads, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank
+    s = local_seq_length(config)
+    latent = 2 * e * c + 4  # the kv latent's norm input (a contiguous copy) and fp32 statistics, its output
+    if m.q_lora_rank:
+        latent += 2 * e * m.q_lora_rank + 4  # the q latent: norm input and statistics, norm output
+    if recompute == "selective":  # the checkpointed core keeps its inputs: q, kv and k_rope (a view of kv_down's
+        # output, which stays whole), and the output projection its input
+        return latent + e * (c + rope), a * (e * (nope + rope) + e * (nope + v) + e * v), 0.0
+    dropout = m.attention_dropout > 0
+    if device == "cpu" and (dropout or nope + rope != v):  # the math path (no flash kernel for these shapes)
+        fp32 = 4 if e != 4 else e  # 16-bit: float32 copies of q, k and v
+        qkv = 2 * fp32 * (nope + rope) + (fp32 * v if e != 4 else e * (nope + v))
+        return latent, a * (qkv + e * v), (12 if dropout else 4) * a * s
+    # flash / memory-efficient: q, k, v (a view of kv_up's output, kept whole), the output, fp32 log-sum-exp
+    return latent, a * (2 * e * (nope + rope) + e * (nope + v) + 2 * e * v), 4 * a
 
 
 def routed_pairs(config: Config) -> int:

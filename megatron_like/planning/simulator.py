@@ -80,7 +80,8 @@ class Plan:
     config: Config
     ranks: list[RankPlan]
     total_params: int
-    """Parameters of the whole model (the tied embedding counted once)."""
+    """Parameters of the whole model (the tied embedding counted once), the MTP depths left out (as published
+    counts do: DeepSeek-V3's 671B)."""
     active_params: int
     """Parameters one token meets: ``total_params`` less the experts it is not routed to (equal without MoE)."""
     flops_per_iteration: float
@@ -88,6 +89,10 @@ class Plan:
     """Fraction of an iteration each device idles in the pipeline fill and drain."""
     iteration_seconds: float
     tokens_per_second: float
+    mtp_params: int = 0
+    """The multi-token prediction depths' parameters (``--mtp-num-layers``), beside ``total_params``."""
+    mtp_active_params: int = 0
+    """Of ``mtp_params``, those one token meets."""
 
     @property
     def max_device_bytes(self) -> float:
@@ -120,6 +125,10 @@ class StageParams:
     """The largest transformer layer: ZeRO-2/3's unit of gradient reduction, ZeRO-3's of gathering."""
     expert: int = 0
     """Of ``total``, the expert weights this rank holds (parameters marked ``expert_parallel``)."""
+    mtp: int = 0
+    """Of ``total``, the multi-token prediction depths' parameters (``mtp.*``)."""
+    mtp_expert: int = 0
+    """Of ``mtp``, the depths' expert weights."""
 
 
 def count_stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> int:
@@ -139,7 +148,7 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
     with fake_world(world, rank):
         ps = ParallelState.initialize(parallel, world)
         ps.device = torch.device("meta")
-        total = root_unit = layer_unit = expert = 0
+        total = root_unit = layer_unit = expert = mtp = mtp_expert = 0
         with torch.device("meta"):
             for v in range(vp):
                 chunk = GPTModel(config.model, ps, vocab_size=padded_vocab_size, seed=0,
@@ -148,6 +157,10 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
                                  sequence_parallel=p.sequence_parallel, dtype=torch.float32)
                 total += sum(param.numel() for param in chunk.parameters())
                 expert += sum(param.numel() for param in chunk.parameters() if getattr(param, "expert_parallel", False))
+                if chunk.mtp is not None:
+                    mtp += sum(param.numel() for param in chunk.mtp.parameters())
+                    mtp_expert += sum(param.numel() for param in chunk.mtp.parameters()
+                                      if getattr(param, "expert_parallel", False))
                 for module, buckets in build_units(chunk):
                     size = sum(param.numel() for bucket in buckets for param in bucket)
                     if module is chunk:
@@ -155,7 +168,7 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
                     else:
                         layer_unit = max(layer_unit, size)
     assert tp == ps.tp_size
-    return StageParams(total, root_unit, layer_unit, expert)
+    return StageParams(total, root_unit, layer_unit, expert, mtp, mtp_expert)
 
 
 def zero_transient_bytes(config: Config, stage: StageParams, param_bytes: int) -> float:
@@ -289,10 +302,12 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     single.parallel.num_layers_per_virtual_pipeline_stage = None
     single.world_size = 1
     whole = stage_params(single, padded_vocab_size, 0)
-    total_params = whole.total
-    active_params = total_params
+    total_params, mtp_params = whole.total - whole.mtp, whole.mtp
+    active_params, mtp_active_params = total_params, mtp_params
     if m.num_experts:  # a token visits k of the E experts of each MoE layer
-        active_params -= round(whole.expert * (m.num_experts - m.moe_router_topk) / m.num_experts)
+        unvisited = (m.num_experts - m.moe_router_topk) / m.num_experts
+        active_params -= round((whole.expert - whole.mtp_expert) * unvisited)
+        mtp_active_params -= round(whole.mtp_expert * unvisited)
     tokens = config.global_batch_size * m.seq_length
     flops = flops_per_token(config, padded_vocab_size) * tokens
     layer_fraction = 1.0 - padded_vocab_size * m.hidden_size * 6.0 / flops_per_token(config, padded_vocab_size)
@@ -311,7 +326,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
     compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)
     iteration_seconds = compute_seconds / (1.0 - bubble)
     return Plan(config, ranks, total_params, active_params, flops, bubble, iteration_seconds,
-                tokens / iteration_seconds)
+                tokens / iteration_seconds, mtp_params, mtp_active_params)
 
 
 def format_plan(plan: Plan, device_memory_gib: float) -> str:
@@ -322,6 +337,9 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
     if etp != p.tensor_model_parallel_size:
         experts = f", experts etp {etp} x ep {ep} x expert-dp {edp}"
     active = f" (active per token: {plan.active_params / 1e9:.3f} B)" if plan.active_params != plan.total_params else ""
+    if plan.mtp_params:
+        active += (f"; MTP depths {plan.mtp_params / 1e9:.3f} B more (active {plan.mtp_active_params / 1e9:.3f} B)"
+                   if plan.mtp_active_params != plan.mtp_params else f"; MTP depths {plan.mtp_params / 1e9:.3f} B more")
     lines = [
         f" > plan: world {c.world_size} = tp {p.tensor_model_parallel_size} x pp {p.pipeline_model_parallel_size}"
         + (f" x cp {p.context_parallel_size} ({p.cp_comm_type})" if p.context_parallel_size > 1 else "")

@@ -186,8 +186,7 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
     set_aux_loss_backward_scale(loss_scale / config.num_microbatches)
     stats = schedule(forward_step_func, data_iterator, model, config.num_microbatches,
                      seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
-    moe_losses = reduce_aux_losses(moe_loss_names(config), [i for i, moe in enumerate(config.model.moe_layer_pattern)
-                                                            if moe], config.num_microbatches, ps)
+    moe_losses = reduce_aux_losses(moe_loss_names(config), config.model.moe_layers, config.num_microbatches, ps)
     data_parallel.finish_grad_sync()
     if config.checkpoint.async_save:
         # A save of the previous iteration may still be copying the params and optimizer state in the

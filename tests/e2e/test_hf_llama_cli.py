@@ -1,8 +1,8 @@
-"""A LlamaForCausalLM, a MixtralForCausalLM and a Qwen3MoeForCausalLM (expert parallelism 1) converted by
-tools/convert_hf.py (to
-tp2 x pp2) generate through tools/generate.py (one process, KV cache) the same greedy tokens as transformers'
-``generate`` (Llama generation under tp is tests/distributed/test_generation_tp.py's; the conversion runs
-in-process, as tests/unit/test_hf_llama.py's, to spare a subprocess)."""
+"""A LlamaForCausalLM, a MixtralForCausalLM, a Qwen3MoeForCausalLM and a DeepseekV3ForCausalLM (expert parallelism 1)
+converted by tools/convert_hf.py (to tp2 x pp2) generate through tools/generate.py (one process, KV cache; MLA's
+latent cache) the same greedy tokens as transformers' ``generate`` (Llama generation under tp is
+tests/distributed/test_generation_tp.py's; the conversion runs in-process, as tests/unit/test_hf_llama.py's, to spare
+a subprocess)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from tests.e2e.test_tools_inference import run_tool
+from tests.unit.test_hf_deepseek_v3 import tiny_deepseek
 from tests.unit.test_hf_llama import convert_hf, tiny
 from tests.unit.test_hf_mixtral import tiny_mixtral
 from tests.unit.test_hf_qwen3 import tiny_qwen3
 
 PROMPTS = ["3 14 15 92 65", "35 89", "7 7 7"]
-TINY_MODELS = {"llama": lambda: tiny("llama"), "mixtral": tiny_mixtral, "qwen3_moe": lambda: tiny_qwen3(moe=True)}
+TINY_MODELS = {"llama": lambda: tiny("llama"), "mixtral": tiny_mixtral, "qwen3_moe": lambda: tiny_qwen3(moe=True),
+               "deepseek_v3": tiny_deepseek}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_MODELS))

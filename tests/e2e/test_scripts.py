@@ -20,7 +20,7 @@ from tests.e2e.cli import ROOT
 
 SCRIPTS = ["pretrain_gpt_345M.sh", "pretrain_gpt_1.3B.sh", "pretrain_gpt_6.7B.sh", "pretrain_gpt_175B.sh",
            "pretrain_gpt_tiny_cpu.sh", "pretrain_llama2_7B.sh", "pretrain_llama3_8B.sh", "pretrain_llama3_8B_128k.sh",
-           "pretrain_llama3_70B.sh", "pretrain_mixtral_8x7B.sh", "pretrain_qwen3_30b_a3b.sh"]
+           "pretrain_llama3_70B.sh", "pretrain_mixtral_8x7B.sh", "pretrain_qwen3_30b_a3b.sh", "pretrain_deepseek_v3.sh"]
 LLAMA_PARAMETERS = {"pretrain_llama2_7B.sh": 6.74e9, "pretrain_llama3_8B.sh": 8.03e9,
                     "pretrain_llama3_8B_128k.sh": 8.03e9, "pretrain_llama3_70B.sh": 70.6e9}
 """The published parameter counts of Llama 2 7B, Llama 3 8B and Llama 3 70B."""
@@ -29,6 +29,11 @@ MIXTRAL_PARAMETERS = (46.7e9, 12.9e9)
 QWEN3_MOE_PARAMETERS = (30.5e9, 3.3e9)
 """Qwen3-30B-A3B's published total and active parameters (its model card: "30.5B in total and 3.3B activated"; the
 card's figures are cut to 0.1B: its non-embedding 29.9B is the 29.91B of the same shape)."""
+DEEPSEEK_V3_PARAMETERS = (671e9, 37e9)
+"""DeepSeek-V3's published total and active parameters, its MTP module left out (the report: "671B total parameters
+with 37B activated for each token"; the MTP module is counted apart). Its shapes give 37.55B active (both vocabulary
+matrices counted, as in the 671B): the report's 37B is that figure cut to whole billions."""
+MTP = re.compile(r"; MTP depths ([0-9.]+) B more \(active ([0-9.]+) B\)")
 PARAMETERS = re.compile(r"^ > model parameters: ([0-9.]+) B", re.MULTILINE)
 ACTIVE = re.compile(r"^ > model parameters: ([0-9.]+) B \(active per token: ([0-9.]+) B\)", re.MULTILINE)
 MAX_MEMORY = re.compile(r"^max memory per device: ([0-9.]+) GiB", re.MULTILINE)
@@ -79,6 +84,12 @@ def test_every_launch_script_plans_within_80_gib(capsys):
             # 3.35B active (embeddings, attention, router, 8 experts per layer, output layer), which the card cuts
             # to 3.3B: 1.6% above it, so the check is the card's own rounding.
             assert int(active / 1e8) == round(QWEN3_MOE_PARAMETERS[1] / 1e8), active
+        if name == "pretrain_deepseek_v3.sh":
+            total, active = (float(c) * 1e9 for c in ACTIVE.search(out).groups())
+            assert abs(total - DEEPSEEK_V3_PARAMETERS[0]) / DEEPSEEK_V3_PARAMETERS[0] < 0.005, total
+            assert int(active / 1e9) == DEEPSEEK_V3_PARAMETERS[1] / 1e9, active  # the report's rounding
+            mtp_total, mtp_active = (float(c) * 1e9 for c in MTP.search(out).groups())
+            assert 11e9 < mtp_total < 12e9 and mtp_active < 1e9  # one MoE layer, the projection, three norms
 
 
 def _write_log(path: str) -> None:

@@ -186,3 +186,14 @@ def test_the_planner_counts_the_mtp_depths():
     assert count_stage_params(with_mtp, vocab, 0) - count_stage_params(plain, vocab, 0) == depth_params
     more, less = activation_bytes(with_mtp, 0, vocab, "cpu"), activation_bytes(plain, 0, vocab, "cpu")
     assert more.layers_alive == less.layers_alive + 2 and more.total > less.total
+
+
+@pytest.mark.parametrize("freq,moe", [("[0,1]", True), ("[1,0]", False)])
+def test_the_mtp_layers_are_moe_when_the_main_models_last_layer_is(freq, moe):
+    """Megatron-LM's and DeepSeek-V3's rule: a depth's layer has the main model's last layer's kind; an MoE depth
+    layer counts among the MoE layers whose router losses are logged (global index num_layers + depth)."""
+    config = mtp_config(num_experts=4, moe_router_topk=2, moe_layer_freq=freq, moe_aux_loss_coeff=0.01)
+    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=7)
+    assert [type(depth.transformer_layer[0].mlp).__name__ for depth in model.mtp.layers] == [
+        "MoELayer" if moe else "MLP"] * DEPTHS
+    assert config.moe_layers == ([1, 2, 3] if moe else [0])

@@ -138,6 +138,13 @@ QWEN3 = ["--qk-layernorm", "--kv-channels", "64"]  # 8 heads of 64: attention tw
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128"]
 MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert-capacity-factor", "0.5",
                     "--moe-pad-expert-input-to-capacity", "--bf16"]
+# DeepSeek's multi-latent attention (value heads narrower than query/key heads), with and without the query latent
+MLA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+       "--multi-latent-attention", "--q-lora-rank", "96", "--kv-lora-rank", "48", "--qk-head-dim", "32",
+       "--qk-pos-emb-head-dim", "16", "--v-head-dim", "24"]
+MLA_CASES = {"mla": MLA, "mla-bf16-dropout": MLA + ["--bf16", "--attention-dropout", "0.1"],
+             "mla-selective": MLA + ["--recompute-granularity", "selective"],
+             "mla-no-q-latent-moe": [f for f in MLA if f not in ("--q-lora-rank", "96")] + MOE}
 
 
 @pytest.mark.parametrize("extra", [[], ["--bf16"], LLAMA, LLAMA + ["--bf16"], ["--swiglu"], GQA,
@@ -146,14 +153,15 @@ MOE_PADDED = MOE + ["--moe-shared-expert-intermediate-size", "64", "--moe-expert
                                    LLAMA + MOE_PADDED, ["--disable-bias-linear"] + MOE, LLAMA + WINDOW,
                                    LLAMA + WINDOW_LOCAL + ["--bf16"], GQA + WINDOW,
                                    WINDOW + ["--attention-dropout", "0.1"], LLAMA + QWEN3, LLAMA + QWEN3 + ["--bf16"],
-                                   QWEN3],
+                                   QWEN3, *MLA_CASES.values()],
                          ids=["gpt", "gpt-bf16", "llama", "llama-bf16", "swiglu", "gqa", "rope", "rmsnorm",
                               "rmsnorm-bf16", "mixtral", "mixtral-bf16", "mixtral-shared-padded", "gpt-moe",
                               "mistral-window", "mistral-window-local-bf16", "gqa-window", "gpt-window-dropout",
-                              "qwen3", "qwen3-bf16", "gpt-qk-layernorm"])
+                              "qwen3", "qwen3-bf16", "gpt-qk-layernorm", *MLA_CASES])
 def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
-    planner's per-layer formula, for each architecture option alone and for Llama."""
+    planner's per-layer formula, for each architecture option alone and for Llama (with selective recompute: what
+    the checkpointed attention core leaves kept)."""
     import torch
 
     from megatron_like.model.transformer import TransformerLayer
@@ -178,7 +186,8 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         layer(x)
     measured = sum(saved.values())
-    assert layer_activation_bytes(config, None, "cpu") == pytest.approx(measured, rel=0.02)
+    assert layer_activation_bytes(config, config.model.recompute_granularity, "cpu") == pytest.approx(measured,
+                                                                                                      rel=0.02)
 
 
 def test_cpu_log_line_reports_the_peak_of_live_tensors(capsys):
