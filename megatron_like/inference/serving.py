@@ -71,7 +71,7 @@ def prepare_request(loaded: InferenceModel, request: dict) -> GenerationParams:
     return params
 
 
-def _attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
+def attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
     """``(work(), None)``, or ``(None, "<status> <message>")`` when it raises."""
     try:
         return work(), None
@@ -89,10 +89,10 @@ def serve_request(loaded: InferenceModel, request: dict, device: torch.device) -
     step (the module docstring says why that covers request-dependent failures).
     """
     group = comm.world_group()
-    params, error = _attempt(lambda: prepare_request(loaded, request))
+    params, error = attempt(lambda: prepare_request(loaded, request))
     agreed = comm.first_error(error, group, device)
     if agreed is None:
-        results, error = _attempt(lambda: generate(loaded.model, request["ids"], params, eod=loaded.eod,
+        results, error = attempt(lambda: generate(loaded.model, request["ids"], params, eod=loaded.eod,
                                                     vocab_size=loaded.vocab_size))
         agreed = comm.first_error(error, group, device)
         if agreed is None:
