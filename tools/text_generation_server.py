@@ -364,7 +364,7 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             return self.reply(200, answer(loaded, prompts, outcome.results, params.num_beams > 1))
 
         def refuse_method(self) -> None:  # JsonRequestHandler dispatches every other method here
-            self.send_error(405, f"{self.command} {self.path} is not supported: use PUT /api, POST /v1/completions, "
+            self.send_error(405, f"{self.command} is not supported on {self.path}: use PUT /api, POST /v1/completions, "
                                  "POST /v1/chat/completions, GET /v1/models or GET /health")
 
         def log_message(self, fmt: str, *args) -> None:
@@ -444,12 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     limits = Limits(args.max_prompts, args.max_prompt_tokens, args.max_tokens_to_generate,
                     max_batch_size=args.max_batch_size)
-    data = config.data
-    template = ChatTemplate.find([args.load, data.tokenizer_model if data.tokenizer_model and
-                                  os.path.isdir(data.tokenizer_model) else os.path.dirname(data.tokenizer_model or
-                                                                                             data.vocab_file or "")])
-    server = Server(loaded, limits, None, args.served_model_name or os.path.basename(os.path.normpath(args.load)),
-                    template)
+    load_dir, data = config.checkpoint.load, loaded.config.data
+    tokenizer_dir = os.path.dirname(data.tokenizer_model or data.vocab_file or "") or None
+    if data.tokenizer_model and os.path.isdir(data.tokenizer_model):
+        tokenizer_dir = data.tokenizer_model
+    server = Server(loaded, limits, None, args.served_model_name or os.path.basename(os.path.normpath(load_dir)),
+                    ChatTemplate.find([load_dir, tokenizer_dir]))
     server.scheduler = Scheduler(loaded, engine, server.decode, args.max_queued_requests)
     engine_thread = threading.Thread(target=server.scheduler.run, name="engine", daemon=True)
     engine_thread.start()
