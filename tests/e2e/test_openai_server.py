@@ -46,8 +46,9 @@ def served(tmp_path_factory):
     word_tokenizer(f"{root}/tokenizer")
     in_process_run(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
                     "--vocab-size", "64", "--max-position-embeddings", str(POSITIONS), "--train-iters", "4",
-                    "--lr", "1e-2", "--init-method-std", "0.3", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
-                    f"{root}/tokenizer", "--save", f"{root}/ckpt", "--ckpt-format", "torch", "--eval-iters", "0"])
+                    "--lr", "1e-2", "--init-method-std", "0.3", "--tokenizer-type", "HuggingFaceTokenizer",
+                    "--tokenizer-model", f"{root}/tokenizer", "--save", f"{root}/ckpt", "--ckpt-format", "torch",
+                    "--eval-iters", "0"])
     port = free_port()
     server = serve(2, f"{root}/ckpt", port, ["--tensor-model-parallel-size", "2", "--max-batch-size", "4",
                                              "--served-model-name", "tiny"])
