@@ -36,7 +36,11 @@ def run_harness(model: str, model_args: dict, tasks: list[str], include_path: st
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise SystemExit("error: lm-evaluation-harness is not installed: pip install 'lm-eval[api]==0.4.13'") from None
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    manager = None
+    if include_path:  # indexing the harness's thousands of own tasks takes seconds: only when needed
+        manager = TaskManager(include_path=include_path, include_defaults=False)
+    if manager is None or any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=include_path) if include_path else TaskManager()
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise SystemExit(f"error: unknown harness task(s) {', '.join(unknown)}"
