@@ -68,6 +68,8 @@ class SlotKVCache:
         positions = starts[:, None] + torch.arange(s, device=self.device)[None]  # (n, s)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.device)[:, None].expand(-1, s)
         self._index = (row_index, positions)
+        # Consecutive slots (the usual case: free slots are taken lowest first) are read as a view, not gathered.
+        self._span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self._mask = {}
         self.positions = positions
         return positions
@@ -101,10 +103,14 @@ class SlotKVCache:
         # Two index tensors split by a slice put their dimensions first: the target is [n, s, ng, hd].
         self.keys[layer][rows, :, columns] = k.permute(0, 2, 1, 3)
         self.values[layer][rows, :, columns] = v.permute(0, 2, 1, 3)
-        t, taken = self._columns, rows[:, 0]
-        keys = self.keys[layer].index_select(0, taken)[:, :, :t]
-        values = self.values[layer].index_select(0, taken)[:, :, :t]
-        return keys, values, self.attention_mask(window)
+        return self._read(self.keys[layer]), self._read(self.values[layer]), self.attention_mask(window)
+
+    def _read(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This step's rows of ``buffer [slots, ng, max_length, hd]``, columns ``[0, t)``: ``[n, ng, t, hd]``."""
+        columns = buffer[:, :, : self._columns]
+        if self._span is not None:
+            return columns[self._span]
+        return columns.index_select(0, self._index[0][:, 0])
 
     def update_latent(self, layer: int, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store multi-latent attention entries ``[n, s, width]``; return the rows' entries ``[n, t, width]`` and the
@@ -114,7 +120,9 @@ class SlotKVCache:
                                               device=entries.device)
         rows, columns = self._index
         self.latents[layer][rows, columns] = entries
-        return self.latents[layer].index_select(0, rows[:, 0])[:, : self._columns], self.attention_mask()
+        entries = self.latents[layer][:, : self._columns]
+        entries = entries[self._span] if self._span is not None else entries.index_select(0, rows[:, 0])
+        return entries, self.attention_mask()
 
     def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device,
                       scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
