@@ -15,7 +15,6 @@ takes a fresh random one. ``temperature == 0`` is greedy. The reported log-proba
 
 from __future__ import annotations
 
-import itertools
 import queue
 import secrets
 import threading
@@ -123,7 +122,6 @@ class Scheduler:
         self.condition = threading.Condition()
         self.active: dict[int, tuple[Job, Choice]] = {}  # slot -> its choice
         self.stopping = False
-        self.steps = itertools.count()
 
     # ------------------------------------------------------------------ handler threads
     def submit(self, jobs: list) -> None:
@@ -164,38 +162,44 @@ class Scheduler:
 
     def run(self) -> None:
         """The engine loop of rank 0 until :meth:`stop`; then it tells the other ranks to stop."""
-        device = self.engine.device
         self.engine.runner.ps.use_device_in_this_thread()  # a new thread starts on GPU 0, not this rank's GPU
-        while True:
-            jobs, legacy = self._take()
-            if self.stopping and not jobs and legacy is None:
-                break
-            if legacy is not None:
-                broadcast_request({"legacy": legacy.request}, device)
-                legacy.outcome = serve_request(self.loaded, legacy.request, device)
-                legacy.events.put("done")
-                continue
-            admissions = [Admission([c.slot for c in job.choices if c.slot is not None], job.ids,
-                                    job.sampling.logprobs if job.sampling.echo and job.sampling.logprobs is not None
-                                    else None, job.sampling.max_tokens > 0) for job in jobs]
-            broadcast_request({"admit": [vars(a) for a in admissions]}, device)
-            for job in jobs:
+        while self.step() is not None:
+            pass
+        broadcast_request(None, self.engine.device)
+
+    def step(self) -> list[int] | None:
+        """One iteration: admit what fits, run one engine step on every rank, record the choices; returns the
+        slots that got a token (None once stopping with nothing left; waits while idle)."""
+        device = self.engine.device
+        jobs, legacy = self._take()
+        if self.stopping and not jobs and legacy is None:
+            return None
+        if legacy is not None:
+            broadcast_request({"legacy": legacy.request}, device)
+            legacy.outcome = serve_request(self.loaded, legacy.request, device)
+            legacy.events.put("done")
+            return []
+        admissions = [Admission([c.slot for c in job.choices if c.slot is not None], job.ids,
+                                job.sampling.logprobs if job.sampling.echo and job.sampling.logprobs is not None
+                                else None, job.sampling.max_tokens > 0) for job in jobs]
+        broadcast_request({"admit": [vars(a) for a in admissions]}, device)
+        for job in jobs:
+            for choice in job.choices:
+                if choice.slot is not None:
+                    self.active[choice.slot] = (job, choice)
+        out, error = run_engine_step(self.engine, admissions)
+        if error is not None:
+            self._fail_all(jobs, error)
+            return []
+        for job, scores in zip(jobs, out.prompt_scores):
+            job.prompt_scores = scores
+            if job.sampling.max_tokens == 0:  # scored only: done with this step
                 for choice in job.choices:
-                    if choice.slot is not None:
-                        self.active[choice.slot] = (job, choice)
-            out, error = run_engine_step(self.engine, admissions)
-            if error is not None:
-                self._fail_all(jobs, error)
-                continue
-            choices = self._choose(out)
-            for job, scores in zip(jobs, out.prompt_scores):
-                job.prompt_scores = scores
-                if job.sampling.max_tokens == 0:  # scored only: done with this step
-                    for choice in job.choices:
-                        choice.finish_reason = "length"
-            broadcast_choices(choices, len(out.rows), device)
-            self._commit(jobs, out, choices)
-        broadcast_request(None, device)
+                    choice.finish_reason = "length"
+        choices = self._choose(out)
+        broadcast_choices(choices, len(out.rows), device)
+        self._commit(jobs, out, choices)
+        return out.rows
 
     def _fail_all(self, jobs: list[Job], error: str) -> None:
         status, _, message = error.partition(" ")

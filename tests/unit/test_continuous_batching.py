@@ -68,6 +68,7 @@ def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout)
 
 
 def run_scheduler(loaded: InferenceModel, slots: int = 4) -> tuple[Scheduler, threading.Thread]:
+    """A scheduler whose engine loop runs in a thread, as in the server."""
     engine = BatchEngine(loaded, slots)
     scheduler = Scheduler(loaded, engine, lambda ids: " ".join(map(str, ids)), max_queued=8)
     thread = threading.Thread(target=scheduler.run, daemon=True)
@@ -82,26 +83,31 @@ def finish(jobs: list[Job]) -> None:
         assert job.error is None, job.error
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch_and_greedy_requests_end_on_their_own():
+def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_it():
     loaded = tiny_loaded("rope_gqa_window")
-    scheduler, thread = run_scheduler(loaded)
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 6), str, max_queued=8)  # driven step by step, no thread
     sampled = Sampling(max_tokens=6, temperature=0.8, top_k=20, seed=11, n=2)
     solo = Job([5, 9, 13], sampled)
     scheduler.submit([solo])
-    finish([solo])
+    while not solo.done:
+        scheduler.step()
+
+    running = Job(PROMPTS[0], Sampling(max_tokens=7, temperature=0))
+    scheduler.submit([running])
+    assert scheduler.step() == [0]  # its prefill
     first = Job([5, 9, 13], sampled)
-    others = [Job(p, Sampling(max_tokens=k, temperature=0)) for p, k in zip(PROMPTS, (3, 7, 2))]
-    scheduler.submit([others[0]])
-    wait(others[0], timeout=60)  # it runs: the next ones join it
-    scheduler.submit([first, *others[1:]])
-    finish([first, *others])
-    scheduler.stop()
-    thread.join(timeout=60)
+    noise = Job(PROMPTS[3], Sampling(max_tokens=5, temperature=1.0, seed=3))  # draws its own random numbers
+    greedy = Job(PROMPTS[1], Sampling(max_tokens=2, temperature=0))
+    scheduler.submit([first, noise, greedy])
+    assert sorted(scheduler.step()) == [0, 1, 2, 3, 4]  # they joined the running sequence's next step
+    while not all(job.done for job in (running, first, noise, greedy)):
+        scheduler.step()
     assert [c.tokens for c in first.choices] == [c.tokens for c in solo.choices]
     assert first.choices[0].tokens != first.choices[1].tokens  # choice i samples with seed + i
-    for job, k in zip(others, (3, 7, 2)):
-        assert job.choices[0].tokens == alone(loaded, job.ids, k) and job.choices[0].finish_reason == "length"
-    assert scheduler.engine.decoded_rows > scheduler.engine.decode_steps  # some steps decoded several sequences
+    for job in (running, greedy):
+        n = job.sampling.max_tokens
+        assert job.choices[0].tokens == alone(loaded, job.ids, n) and job.choices[0].finish_reason == "length"
+    assert len(noise.choices[0].tokens) == 5
 
 
 def test_echo_logprobs_equal_a_full_forward_and_stop_strings_cut_the_text():
