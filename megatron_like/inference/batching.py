@@ -105,7 +105,6 @@ class BatchEngine:
         self.max_length = self.runner.max_positions
         for chunk in loaded.model:
             chunk.eval()
-        ensure_packed(loaded.model, max(2, slots))  # 2 rows or more: one prepacked weight serves every row count
         self.reset()
 
     def reset(self) -> None:
@@ -125,6 +124,9 @@ class BatchEngine:
     def forward(self, admissions: Sequence[Admission]) -> StepOutput:
         """Prefill ``admissions``, then one decoding step of the slots already generating (call on every rank)."""
         out = StepOutput()
+        # Packed for 2 rows or more, one prepacked weight serves every row count; a PUT /api request in between may
+        # have packed the weights for its own batch (a no-op when nothing changed).
+        ensure_packed(self.loaded.model, max(2, self.slots))
         decoding = sorted(self.last_token)
         pieces = []
         for admission in admissions:
