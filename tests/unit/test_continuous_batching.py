@@ -46,8 +46,8 @@ def alone(loaded: InferenceModel, prompt: list[int], n: int) -> list[int]:
 def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout):
     loaded = tiny_loaded(layout)
     engine = BatchEngine(loaded, slots=4)
-    joins = {0: [0], 2: [1, 2], 5: [3]}  # step -> prompts admitted then (slots = prompt index)
-    steps = {0: 8, 1: 6, 2: 9, 3: 5}  # tokens each generates
+    joins = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts admitted then (slots = prompt index)
+    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2 (a gather)
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     widest = 0
     for step in range(16):
@@ -87,9 +87,9 @@ def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_
     loaded = tiny_loaded("rope_gqa_window")
     scheduler = Scheduler(loaded, BatchEngine(loaded, 6), str, max_queued=8)  # driven step by step, no thread
     sampled = Sampling(max_tokens=6, temperature=0.8, top_k=20, seed=11, n=2)
-    solo = Job([5, 9, 13], sampled)
-    scheduler.submit([solo])
-    while not solo.done:
+    solo, second = Job([5, 9, 13], sampled), Job([5, 9, 13], Sampling(**{**vars(sampled), "seed": 12, "n": 1}))
+    scheduler.submit([solo, second])
+    while not (solo.done and second.done):
         scheduler.step()
 
     running = Job(PROMPTS[0], Sampling(max_tokens=7, temperature=0))
@@ -103,7 +103,8 @@ def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_
     while not all(job.done for job in (running, first, noise, greedy)):
         scheduler.step()
     assert [c.tokens for c in first.choices] == [c.tokens for c in solo.choices]
-    assert first.choices[0].tokens != first.choices[1].tokens  # choice i samples with seed + i
+    assert first.choices[0].tokens != first.choices[1].tokens  # choice i samples with seed + i ...
+    assert first.choices[1].tokens == second.choices[0].tokens  # ... from its own copy of the prompt's cache
     for job in (running, greedy):
         n = job.sampling.max_tokens
         assert job.choices[0].tokens == alone(loaded, job.ids, n) and job.choices[0].finish_reason == "length"
