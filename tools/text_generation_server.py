@@ -93,14 +93,7 @@ def parse_request(raw: bytes, loaded: InferenceModel, limits: Limits) -> tuple[l
     """(prompt texts, prompt ids, params) of a request body; RequestError says what is wrong."""
     if len(raw) > limits.max_body_bytes:
         raise RequestError(f"request body of {len(raw)} bytes exceeds the limit of {limits.max_body_bytes}")
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise RequestError(f"request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise RequestError("request body nests JSON arrays or objects too deeply") from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
+    body = parse_json(raw)
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(FIELDS)}")

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_like.model.rotary import RopeScaling, rotary_cos_sin
+from megatron_like.inference.kv_cache import all_column_tables
+from megatron_like.model.rotary import RopeScaling
 
 
 class SlotKVCache:
@@ -127,11 +128,7 @@ class SlotKVCache:
     def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device,
                       scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[n, 1, s, rotary_dim]`` at each row's positions (tables of all columns built on first use)."""
-        key = (rotary_dim, base, scaling)
-        if key not in self._rotary:
-            self._rotary[key] = rotary_cos_sin(torch.arange(self.max_length, device=device), rotary_dim, base,
-                                               scaling)
-        cos, sin = self._rotary[key]
+        cos, sin = all_column_tables(self._rotary, self.max_length, rotary_dim, base, device, scaling)
         return cos[self.positions][:, None], sin[self.positions][:, None]
 
     def advance(self, s: int) -> None:
