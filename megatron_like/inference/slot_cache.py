@@ -51,7 +51,7 @@ class SlotKVCache:
         self._rows: list[int] = []
         self._step_length = 0
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [n, s], columns [n, s]) written
-        self._mask: dict[int | None, torch.Tensor] = {}
+        self._mask: dict[int | None, torch.Tensor | None] = {}
         self._rotary: dict[tuple[int, float, RopeScaling | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ one forward
@@ -80,21 +80,27 @@ class SlotKVCache:
         """Columns a step reads: up to the longest row's new end."""
         return max(self.lengths[r] for r in self._rows) + self._step_length
 
-    def attention_mask(self, window: int | None = None) -> torch.Tensor:
-        """bool ``[n, 1, s, t]``: each row's queries see that row's columns up to themselves (and within the window)."""
+    def attention_mask(self, window: int | None = None) -> torch.Tensor | None:
+        """bool ``[n, 1, s, t]``: each row's queries see that row's columns up to themselves (and within the window);
+        None when that is every column (one query per row, rows of one length, no window cutting in)."""
         if window not in self._mask:
-            keys = torch.arange(self._columns, device=self.device)[None, None, :]  # (1, 1, t)
-            queries = self.positions[:, :, None]  # (n, s, 1)
-            mask = keys <= queries
-            if window is not None:
-                mask = mask & (keys > queries - window)
-            self._mask[window] = mask[:, None]
+            lengths = {self.lengths[r] for r in self._rows}
+            t = self._columns
+            if self._step_length == 1 and len(lengths) == 1 and (window is None or window >= t):
+                self._mask[window] = None  # SDPA without a mask: its fastest path
+            else:
+                keys = torch.arange(t, device=self.device)[None, None, :]  # (1, 1, t)
+                queries = self.positions[:, :, None]  # (n, s, 1)
+                mask = keys <= queries
+                if window is not None:
+                    mask = mask & (keys > queries - window)
+                self._mask[window] = mask[:, None]
         return self._mask[window]
 
     def update_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, window: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Store ``k, v [n, ng, s, hd]`` of this step's rows for ``layer``; return their keys, values ``[n, ng, t, hd]``
-        and the mask ``[n, 1, s, t]`` (as ``KVCache.update_kv``)."""
+        and the mask ``[n, 1, s, t]`` or None (as ``KVCache.update_kv``)."""
         if layer not in self.keys:
             _, heads, _, head_dim = k.shape
             self.keys[layer] = torch.zeros(self.slots, heads, self.max_length, head_dim, dtype=k.dtype, device=k.device)
@@ -113,7 +119,7 @@ class SlotKVCache:
             return columns[self._span]
         return columns.index_select(0, self._index[0][:, 0])
 
-    def update_latent(self, layer: int, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update_latent(self, layer: int, entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store multi-latent attention entries ``[n, s, width]``; return the rows' entries ``[n, t, width]`` and the
         mask ``[n, 1, s, t]`` (as ``KVCache.update_latent``)."""
         if layer not in self.latents:
