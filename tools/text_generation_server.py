@@ -1,22 +1,33 @@
-"""HTTP text generation server with Megatron's API, on one process or under torchrun (tp x pp).
+"""HTTP text generation server: OpenAI's /v1 API with continuous batching, and Megatron's PUT /api; one process or
+torchrun (any tp x pp x ep layout).
 
     python tools/text_generation_server.py --load ckpt --port 5000
     torchrun --nproc_per_node=2 tools/text_generation_server.py --load ckpt --tensor-model-parallel-size 2
-    curl -X PUT http://127.0.0.1:5000/api -H 'Content-Type: application/json' \\
+    curl http://127.0.0.1:5000/v1/completions -H 'Content-Type: application/json' \
+        -d '{"prompt": "The history of", "max_tokens": 32, "top_p": 0.9}'
+    curl -X PUT http://127.0.0.1:5000/api -H 'Content-Type: application/json' \
         -d '{"prompts": ["The history of"], "tokens_to_generate": 32, "top_p": 0.9}'
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` (``megatron_like/inference/openai_api.py``: fields,
+answers, errors as ``{"error": {"message": ...}}``, streaming as server-sent events), ``GET /v1/models``,
+``GET /health`` and vLLM's ``/tokenizer_info``, ``/tokenize``, ``/detokenize`` (what lm-evaluation-harness
+uses). Requests to /v1 are batched continuously: one engine thread on rank 0
+(``megatron_like/inference/scheduler.py``) admits queued requests into free slots at every decoding step and
+every rank runs the step (``megatron_like/inference/batching.py``); ``--max-batch-size`` sequences at once,
+``--max-queued-requests`` waiting (then ``503``).
 
 ``PUT /api`` takes a JSON object with ``prompts`` (list of strings; for a checkpoint without a tokenizer,
 strings of space-separated token ids), ``tokens_to_generate``, and optionally ``temperature``, ``top_k``,
 ``top_p``, ``beam_width``, ``random_seed``, ``min_tokens_to_generate``, ``add_BOS`` (accepted, unused).
 As in Megatron, ``top_k == 1`` is greedy, ``top_p == 0`` and ``top_k == 0`` mean no filtering, and
 ``beam_width`` selects beam search. The answer: ``text`` (prompt + continuation, per prompt),
-``generated_text``, ``tokens`` (generated ids) and, for beam search, ``scores``.
+``generated_text``, ``tokens`` (generated ids) and, for beam search, ``scores``. These requests go through
+the same queue and are served whole, one at a time, between two batched steps.
 
 Every field is checked (type, finite, range, prompt length, output length, batch size, body size)
-before any work; a bad request gets ``400`` and ``{"message": ...}`` naming the rule. Any temperature in
-(0, 100] is accepted and safe (see ``process_logits``). Requests are served one at a time (a lock):
-rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each valid request to the other ranks
-of the model, which generate with it. A failure while generating, on any rank, is agreed by all ranks
+before any work; a bad request gets ``400`` naming the rule. Any temperature in (0, 100] is accepted and
+safe (see ``process_logits``). Rank 0 listens on ``--host`` (127.0.0.1 by default) and broadcasts each
+plan to the other ranks of the model. A failure while generating, on any rank, is agreed by all ranks
 before rank 0 answers (``megatron_like/inference/serving.py``): ``400`` for a request the model cannot
 serve, ``500`` for anything else, and every rank goes on serving. Every answer has a status line and a
 JSON body (``megatron_like/inference/json_http.py``), also for other methods (``405``), unknown paths
