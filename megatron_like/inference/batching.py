@@ -17,7 +17,10 @@ stop strings, length limits) and broadcasts the choices, which every rank applie
 the ranks stay in lockstep whatever their float noise, and a request that joins is served at the next step
 instead of after the whole batch. A failure while running the model, on any rank, is agreed by all ranks
 (``collectives.first_error``) and ends every sequence in flight: rank 0 answers their clients 500 and the
-engine starts empty.
+engine starts empty. As for ``PUT /api`` (``serving.py``), the ranks agree twice: after each rank's own checks
+of the plan (:meth:`BatchEngine.check`, no collectives: a failure of one rank alone is recovered) and after the
+step, which recovers failures raised at the same point on every rank; a fault of one rank alone inside the
+model's forward leaves the others in a collective until ``--distributed-timeout-minutes``.
 
 Limits: one prefill forward per admitted prompt (prompts are not batched with each other or chunked), and a
 slot's cache holds at most the model's positions; ``--max-batch-size`` slots are allocated up front.
@@ -120,6 +123,18 @@ class BatchEngine:
         tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         return self.runner(tokens, positions, self.cache)  # (1, V)
 
+    def check(self, admissions: Sequence[Admission]) -> None:
+        """This rank's checks of a plan before any collective (ValueError/RuntimeError says what is wrong)."""
+        for admission in admissions:
+            busy = [s for s in admission.slots if s in self.last_token or self.cache.lengths[s]]
+            if busy:
+                raise RuntimeError(f"slot {busy[0]} is admitted while in use")
+            if not admission.ids or any(not 0 <= t < self.loaded.vocab_size for t in admission.ids):
+                raise ValueError(f"every prompt needs token ids in [0, {self.loaded.vocab_size})")
+            if len(admission.ids) >= self.max_length:
+                raise ValueError(f"a prompt of {len(admission.ids)} tokens leaves no room in the model's "
+                                 f"{self.max_length} positions")
+
     @torch.inference_mode()
     def forward(self, admissions: Sequence[Admission]) -> StepOutput:
         """Prefill ``admissions``, then one decoding step of the slots already generating (call on every rank)."""
@@ -130,9 +145,6 @@ class BatchEngine:
         decoding = sorted(self.last_token)
         pieces = []
         for admission in admissions:
-            busy = [s for s in admission.slots if s in self.last_token or self.cache.lengths[s]]
-            if busy:
-                raise RuntimeError(f"slot {busy[0]} is admitted while in use")
             out.prompt_scores.append(score_prompt(self.loaded, admission.ids, admission.top)
                                      if admission.top is not None else None)
             if not admission.generate:

@@ -275,10 +275,14 @@ class Scheduler:
 
 
 def run_engine_step(engine: BatchEngine, admissions: list[Admission]) -> tuple[StepOutput | None, str | None]:
-    """``engine.forward(admissions)`` on this rank, failures agreed by all ranks: ``(output, None)`` or
-    ``(None, "<status> <message>")``, after which every rank's engine is empty."""
-    out, error = attempt(lambda: engine.forward(admissions))
-    agreed = comm.first_error(error, comm.world_group(), engine.device)
+    """``engine.check``, then ``engine.forward(admissions)`` on this rank, failures agreed by all ranks after each:
+    ``(output, None)`` or ``(None, "<status> <message>")``, after which every rank's engine is empty."""
+    group = comm.world_group()
+    _, error = attempt(lambda: engine.check(admissions))
+    agreed = comm.first_error(error, group, engine.device)
+    if agreed is None:
+        out, error = attempt(lambda: engine.forward(admissions))
+        agreed = comm.first_error(error, group, engine.device)
     if agreed is not None:
         engine.reset()
         return None, agreed
