@@ -184,6 +184,7 @@ class Server:
         self.loaded, self.limits, self.scheduler = loaded, limits, scheduler
         self.model_name, self.chat_template = model_name, chat_template
         self.positions = loaded.config.model.max_positions
+        self.engine_thread: threading.Thread | None = None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``: the tokenizer's, or space-separated ids for a model without one."""
@@ -241,8 +242,9 @@ def make_handler(server: Server, request_timeout: float = 60.0):
 
         def do_GET(self) -> None:
             path = self.path.rstrip("/")
-            if path == "/health":
-                return self.reply(200, {"status": "ok"})
+            if path == "/health":  # the engine thread ends only on a bug; then nothing is served
+                alive = server.engine_thread is None or server.engine_thread.is_alive()
+                return self.reply(200 if alive else 503, {"status": "ok" if alive else "the engine stopped"})
             if path == "/v1/models":
                 return self.reply(200, {"object": "list", "data": [{
                     "id": server.model_name, "object": "model", "created": now(), "owned_by": "megatron_like",
@@ -455,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     server = Server(loaded, limits, None, args.served_model_name or os.path.basename(os.path.normpath(load_dir)),
                     ChatTemplate.find([load_dir, tokenizer_dir]))
     server.scheduler = Scheduler(loaded, engine, server.decode, args.max_queued_requests)
-    engine_thread = threading.Thread(target=server.scheduler.run, name="engine", daemon=True)
+    engine_thread = server.engine_thread = threading.Thread(target=server.scheduler.run, name="engine", daemon=True)
     engine_thread.start()
     http = ThreadingHTTPServer((args.host, args.port), make_handler(server, args.request_timeout))
     http.daemon_threads = True

@@ -131,7 +131,7 @@ class BatchEngine:
                 raise RuntimeError(f"slot {busy[0]} is admitted while in use")
             if not admission.ids or any(not 0 <= t < self.loaded.vocab_size for t in admission.ids):
                 raise ValueError(f"every prompt needs token ids in [0, {self.loaded.vocab_size})")
-            if len(admission.ids) >= self.max_length:
+            if admission.generate and len(admission.ids) >= self.max_length:
                 raise ValueError(f"a prompt of {len(admission.ids)} tokens leaves no room in the model's "
                                  f"{self.max_length} positions")
 

@@ -29,7 +29,7 @@ from megatron_like import collectives as comm
 from megatron_like.inference.batching import ENDED, FAILED, Admission, BatchEngine, StepOutput, broadcast_choices
 from megatron_like.inference.generation import process_logits
 from megatron_like.inference.loading import InferenceModel
-from megatron_like.inference.serving import attempt, broadcast_request, serve_request
+from megatron_like.inference.serving import Outcome, attempt, broadcast_request, serve_request
 
 
 class QueueFullError(RuntimeError):
@@ -163,8 +163,19 @@ class Scheduler:
     def run(self) -> None:
         """The engine loop of rank 0 until :meth:`stop`; then it tells the other ranks to stop."""
         self.engine.runner.ps.use_device_in_this_thread()  # a new thread starts on GPU 0, not this rank's GPU
-        while self.step() is not None:
-            pass
+        try:
+            while self.step() is not None:
+                pass
+        except BaseException as error:  # a bug here: answer every waiting client before the thread ends
+            self.stop()
+            in_flight = [job for job, _ in self.active.values()] + list(self.pending)
+            for job in in_flight:
+                if isinstance(job, Job):
+                    job.error = (500, f"the engine stopped: {type(error).__name__}: {error}")
+                else:
+                    job.outcome = Outcome(500, message=f"the engine stopped: {type(error).__name__}: {error}")
+                job.events.put("done")
+            raise
         broadcast_request(None, self.engine.device)
 
     def step(self) -> list[int] | None:
