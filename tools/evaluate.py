@@ -15,10 +15,17 @@ and the word-adjusted one (``exp(total loss / (words - 1))``, words = space-sepa
 ``LAMBADA`` (alias ``lambada``): jsonl of ``{"text": ...}``; an example is right when greedy decoding,
 teacher forced, predicts its last token (or, with ``--strict-lambada``, every token of its last word).
 A checkpoint without a tokenizer reads texts as space-separated token ids.
+
+``--harness-url`` instead runs EleutherAI's lm-evaluation-harness (``local-completions``) against a running
+``tools/text_generation_server.py`` (``megatron_like/inference/harness.py``) and prints its table:
+
+    python tools/evaluate.py --harness-url http://127.0.0.1:5000 --harness-tasks my_task \\
+        --harness-include-path tasks/ --harness-max-length 1024 [--harness-output results.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -71,7 +78,38 @@ def build_parser():
     return parser
 
 
+def harness_main(argv: list[str]) -> None:
+    """``--harness-url``: evaluate the server there with lm-evaluation-harness tasks."""
+    from megatron_like.inference.harness import evaluate_server
+
+    parser = argparse.ArgumentParser(description="lm-evaluation-harness against tools/text_generation_server.py")
+    parser.add_argument("--harness-url", required=True, help="The server, e.g. http://127.0.0.1:5000.")
+    parser.add_argument("--harness-tasks", required=True, help="Comma-separated harness task names.")
+    parser.add_argument("--harness-include-path", default=None, help="A directory of task YAML files.")
+    parser.add_argument("--harness-max-length", type=int, default=2048,
+                        help="Context + continuation tokens at most (the model's positions).")
+    parser.add_argument("--harness-limit", type=int, default=None, help="Examples per task at most.")
+    parser.add_argument("--harness-concurrency", type=int, default=4, help="Requests in flight (batched by the "
+                        "server).")
+    parser.add_argument("--harness-output", default=None, help="Write the results (samples included) as JSON here.")
+    args = parser.parse_args(argv)
+    if args.harness_include_path and not os.path.isdir(args.harness_include_path):
+        parser.error(f"--harness-include-path {args.harness_include_path} is not a directory")
+    results = evaluate_server(args.harness_url, [t for t in args.harness_tasks.split(",") if t],
+                              args.harness_max_length, args.harness_include_path, args.harness_limit,
+                              args.harness_concurrency)
+    from lm_eval.utils import make_table
+
+    print(make_table(results), flush=True)
+    if args.harness_output:
+        with open(args.harness_output, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.split("=")[0] == "--harness-url" for a in argv):
+        return harness_main(argv)
     args, config = cli.parse(build_parser(), argv)
     try:
         ps = cli.setup(config, data_parallel=True)  # replicas split the batches

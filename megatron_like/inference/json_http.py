@@ -82,12 +82,16 @@ class JsonRequestHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def error_body(self, message: str) -> dict:
+        """The JSON body of a refusal (a subclass may answer some paths in another shape)."""
+        return {"message": message}
+
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """Refuse the request with ``{"message": ...}`` and close the connection (drained first, see finish)."""
+        """Refuse the request with ``error_body`` and close the connection (drained first, see finish)."""
         self.close_connection = True
         self.drain_before_close = True
         with contextlib.suppress(OSError):  # the client may be gone
-            self.reply(code, {"message": message or self.responses.get(code, ("error",))[0]})
+            self.reply(code, self.error_body(message or self.responses.get(code, ("error",))[0]))
 
     def refuse_method(self) -> None:
         """``405`` for any method the subclass does not serve."""

@@ -28,6 +28,16 @@ from megatron_like.model.attention_mask import causal_mask
 from megatron_like.model.rotary import RopeScaling, rotary_cos_sin
 
 
+def all_column_tables(built: dict, max_length: int, rotary_dim: int, base: float, device: torch.device,
+                      scaling: RopeScaling | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[max_length, rotary_dim]`` of positions ``0 .. max_length - 1``, built once per ``built`` dict (a
+    cache's tables, keyed by the rotary settings: layers of one model may differ, e.g. multi-latent attention's)."""
+    key = (rotary_dim, base, scaling)
+    if key not in built:
+        built[key] = rotary_cos_sin(torch.arange(max_length, device=device), rotary_dim, base, scaling)
+    return built[key]
+
+
 class KVCache:
     """Per-layer key/value buffers plus the padding mask of a batch being generated.
 
@@ -91,11 +101,7 @@ class KVCache:
     def rotary_tables(self, s: int, rotary_dim: int, base: float, device: torch.device,
                       scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[s, rotary_dim]`` of columns ``[offset, offset + s)`` (views of tables built on first use)."""
-        key = (rotary_dim, base, scaling)
-        if key not in self._rotary:
-            self._rotary[key] = rotary_cos_sin(torch.arange(self.max_length, device=device), rotary_dim, base,
-                                               scaling)
-        cos, sin = self._rotary[key]
+        cos, sin = all_column_tables(self._rotary, self.max_length, rotary_dim, base, device, scaling)
         return cos[self.offset:self.offset + s], sin[self.offset:self.offset + s]
 
     def attention_mask(self, s: int, device: torch.device, window: int | None = None) -> torch.Tensor | None:

@@ -1,10 +1,10 @@
 """One generation request on every rank of a model, with failures agreed by all ranks.
 
-The HTTP server (``tools/text_generation_server.py``) validates a request on rank 0 and broadcasts it;
-then every rank calls :func:`serve_request`. Whatever a rank raises while generating is caught, and the
-ranks agree (:func:`megatron_like.collectives.first_error`: an all-reduce of the failing ranks, then the
-message of the lowest one) before rank 0 answers, so after a failed request all ranks are back at the
-same point, waiting for the next one:
+The HTTP server (``tools/text_generation_server.py``) validates a ``PUT /api`` request on rank 0 and broadcasts
+it (in its engine loop's plan, ``scheduler.py``); then every rank calls :func:`serve_request`. Whatever a rank
+raises while generating is caught, and the ranks agree (:func:`megatron_like.collectives.first_error`: an
+all-reduce of the failing ranks, then the message of the lowest one) before rank 0 answers, so after a failed
+request all ranks are back at the same point, waiting for the next one:
 
 * a ``ValueError`` (a request the model cannot serve) becomes ``400`` with its message;
 * anything else becomes ``500`` with the exception's type and message.
@@ -71,7 +71,7 @@ def prepare_request(loaded: InferenceModel, request: dict) -> GenerationParams:
     return params
 
 
-def _attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
+def attempt(work: Callable[[], Any]) -> tuple[Any, str | None]:
     """``(work(), None)``, or ``(None, "<status> <message>")`` when it raises."""
     try:
         return work(), None
@@ -89,20 +89,13 @@ def serve_request(loaded: InferenceModel, request: dict, device: torch.device) -
     step (the module docstring says why that covers request-dependent failures).
     """
     group = comm.world_group()
-    params, error = _attempt(lambda: prepare_request(loaded, request))
+    params, error = attempt(lambda: prepare_request(loaded, request))
     agreed = comm.first_error(error, group, device)
     if agreed is None:
-        results, error = _attempt(lambda: generate(loaded.model, request["ids"], params, eod=loaded.eod,
+        results, error = attempt(lambda: generate(loaded.model, request["ids"], params, eod=loaded.eod,
                                                     vocab_size=loaded.vocab_size))
         agreed = comm.first_error(error, group, device)
         if agreed is None:
             return Outcome(200, results)
     status, _, message = agreed.partition(" ")
     return Outcome(int(status), message=message)
-
-
-def run_follower(loaded: InferenceModel, device: torch.device) -> None:
-    """Ranks other than 0: serve rank 0's requests until it broadcasts the stop (None)."""
-    while (request := broadcast_request(None, device)) is not None:
-        serve_request(loaded, request, device)
-

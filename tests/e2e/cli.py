@@ -199,6 +199,23 @@ class Launched:
         return "\n".join(outputs)
 
 
+def serve(nproc: int, checkpoint: str, port: int, flags: list[str], timeout: float = 120) -> Launched:
+    """``tools/text_generation_server.py --load checkpoint --port port *flags`` on ``nproc`` ranks, once it listens."""
+    import socket
+    import time
+
+    server = Launched(nproc, ["--load", checkpoint, "--port", str(port), *flags], "tools/text_generation_server.py")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"server did not start:\n{server.stop()}") from None
+            time.sleep(0.3)
+
+
 def run_script(script: str, *args: object, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python script *args`` from the repository root (as from a shell, no launcher variables), in a process
     forked from the harness's server; raise with its output when ``check`` and it exits non-zero."""

@@ -10,7 +10,6 @@ import http.client
 import json
 import random
 import socket
-import time
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from megatron_like.model import GPTModel
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training.checkpointing import save_checkpoint
 from tests.distributed.harness import free_port
-from tests.e2e.cli import Launched
+from tests.e2e.cli import Launched, serve
 
 VOCAB = 64
 REQUEST_TIMEOUT = 3  # seconds: the 408 cases wait this long
@@ -30,9 +29,9 @@ FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2
          "--ckpt-format", "torch"]
 
 
-def tiny_checkpoint(root: str) -> str:
-    """A one-layer model saved at iteration 0 in one process (no training needed to serve it)."""
-    config = parse_config(FLAGS + ["--save", root], world_size=1)
+def tiny_checkpoint(root: str, layers: int = 1) -> str:
+    """A model of ``layers`` layers saved at iteration 0 in one process (no training needed to serve it)."""
+    config = parse_config(FLAGS + ["--num-layers", str(layers), "--save", root], world_size=1)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=config.padded_vocab_size(VOCAB), seed=3)
     save_checkpoint(root, 0, config, ps, [model], None, None, 0)
@@ -40,19 +39,8 @@ def tiny_checkpoint(root: str) -> str:
 
 
 def start_server(checkpoint: str, port: int) -> Launched:
-    server = Launched(2, ["--load", checkpoint, "--tensor-model-parallel-size", "2", "--port", str(port),
-                          "--max-prompts", "3", "--max-prompt-tokens", "8", "--max-tokens-to-generate", "4",
-                      "--request-timeout", str(REQUEST_TIMEOUT)],
-                      "tools/text_generation_server.py")
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"server did not start:\n{server.stop()}") from None
-            time.sleep(0.3)
+    return serve(2, checkpoint, port, ["--tensor-model-parallel-size", "2", "--max-prompts", "3", "--max-prompt-tokens",
+                                       "8", "--max-tokens-to-generate", "4", "--request-timeout", str(REQUEST_TIMEOUT)])
 
 
 def send(port: int, method: str, path: str, body: bytes | None, headers: dict | None = None) -> tuple[int, dict]:
@@ -66,7 +54,9 @@ def send(port: int, method: str, path: str, body: bytes | None, headers: dict | 
         connection.close()
     assert response.getheader("Content-Type") == "application/json", (method, path, body, data[:200])
     reply = json.loads(data) if data else {}
-    assert response.status == 200 or reply.get("message"), (method, path, body, response.status, reply)
+    # /v1 answers a refusal in OpenAI's shape, {"error": {"message": ...}}; the others {"message": ...}.
+    message = (reply.get("error") or {}).get("message") if path.startswith("/v1") else reply.get("message")
+    assert response.status == 200 or message, (method, path, body, response.status, reply)
     return response.status, reply
 
 
@@ -150,6 +140,49 @@ def test_random_and_malformed_requests_are_answered_and_the_server_keeps_serving
     assert set(statuses) <= {200, 400}, statuses  # every refusal is a validation error, never a crash
     assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 100, statuses  # the mix reached both sides
     assert send(port, "PUT", "/api", json.dumps(normal).encode()) == (200, first)
+
+
+OPENAI_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "logprobs", "echo",
+                 "model", "presence_penalty", "stream_options", "messages", "top_logprobs", "max_completion_tokens"]
+
+
+def random_openai_body(rng: random.Random, chat: bool) -> bytes:
+    """Near-valid /v1 requests (never streamed: the answer must be JSON) with fields garbled, some raw junk."""
+    if rng.random() < 0.1:
+        return bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
+    ids = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))]
+    body: dict = {"max_tokens": rng.randint(0, 4), "temperature": rng.choice([0, 0.7, 1.0])}
+    if chat:
+        body["messages"] = [{"role": "user", "content": " ".join(map(str, ids))}]
+    else:
+        body["prompt"] = rng.choice([" ".join(map(str, ids)), ids, [ids, ids[:1]]])
+        body.update(rng.choice([{}, {"logprobs": rng.randint(0, 3), "echo": rng.random() < 0.5}]))
+    for _ in range(rng.randint(0, 3)):
+        body[rng.choice(OPENAI_FIELDS + ["bogus"])] = random_value(rng)
+    body["stream"] = False
+    return json.dumps(body).encode()
+
+
+def test_random_openai_requests_are_answered_in_openai_shape_and_the_server_keeps_serving(served):
+    checkpoint, port, server = served
+    valid = {"prompt": [5, 9, 13], "max_tokens": 4, "temperature": 0}
+    status, first = send(port, "POST", "/v1/completions", json.dumps(valid).encode())
+    assert status == 200 and first["choices"][0]["finish_reason"] in ("length", "stop")
+    assert send(port, "GET", "/health", None) == (200, {"status": "ok"})
+    assert send(port, "GET", "/v1/models", None)[1]["data"][0]["object"] == "model"
+    assert send(port, "POST", "/v1/elsewhere", b"{}")[0] == 404
+    assert send(port, "PUT", "/v1/completions", b"{}")[0] == 405
+    rng = random.Random(31)
+    statuses: dict[int, int] = {}
+    for i in range(200):
+        path = "/v1/chat/completions" if i % 3 == 0 else "/v1/completions"
+        status, _ = send(port, "POST", path, random_openai_body(rng, path.endswith("chat/completions")))
+        statuses[status] = statuses.get(status, 0) + 1
+        assert server.poll() is None, "the server died"
+    assert set(statuses) <= {200, 400}, statuses  # every refusal is a validation error, never a crash
+    assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 50, statuses  # the mix reached both sides
+    again = send(port, "POST", "/v1/completions", json.dumps(valid).encode())[1]
+    assert again["choices"] == first["choices"]
 
 
 def raw_exchange(port: int, data: bytes, end_input: bool = True) -> tuple[int, str]:

@@ -1,0 +1,153 @@
+"""Continuous batching on one process (megatron_like/inference/{slot_cache,batching,scheduler}.py): sequences that
+join a running batch at different steps, with prompts of different lengths, get exactly the tokens ``generate``
+gives each alone (GPT-2 learned positions; RoPE + grouped-query + sliding window; multi-latent attention), seeded
+sampling does not depend on the batch, echo log-probabilities equal a full forward's, and the bounded queue
+refuses what it cannot hold."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from megatron_like.config import ModelConfig
+from megatron_like.inference import GenerationParams, generate
+from megatron_like.inference.batching import ENDED, Admission, BatchEngine, score_prompt
+from megatron_like.inference.loading import InferenceModel
+from megatron_like.inference.scheduler import Job, QueueFullError, Sampling, Scheduler, wait
+from megatron_like.model import GPTModel
+from megatron_like.parallel_state import ParallelState
+
+VOCAB = 64
+LAYOUTS = {
+    "gpt2": {},
+    "rope_gqa_window": {"position_embedding_type": "rope", "group_query_attention": True, "num_query_groups": 2,
+                        "normalization": "RMSNorm", "swiglu": True, "window_size": "5,0"},
+    "mla": {"position_embedding_type": "rope", "multi_latent_attention": True, "disable_bias_linear": True,
+            "q_lora_rank": None, "kv_lora_rank": 16, "qk_head_dim": 8, "qk_pos_emb_head_dim": 8, "v_head_dim": 8},
+}
+PROMPTS = [[5, 9, 13, 2, 40, 7], [7], [30, 31, 32], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def tiny_loaded(layout: str) -> InferenceModel:
+    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, hidden_dropout=0.0,
+                         attention_dropout=0.0, vocab_size=VOCAB, init_method_std=0.3, **LAYOUTS[layout])
+    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=VOCAB, seed=3).eval()
+    holder = type("Config", (), {"model": config})()
+    return InferenceModel([model], holder, None, VOCAB, None)
+
+
+def alone(loaded: InferenceModel, prompt: list[int], n: int) -> list[int]:
+    return generate(loaded.model, [prompt], GenerationParams(max_new_tokens=n), vocab_size=VOCAB)[0][0].token_ids
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout):
+    loaded = tiny_loaded(layout)
+    engine = BatchEngine(loaded, slots=4)
+    joins = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts admitted then (slots = prompt index)
+    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2 (a gather)
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    widest = 0
+    for step in range(16):
+        admissions = [Admission([i], PROMPTS[i]) for i in joins.get(step, [])]
+        out = engine.forward(admissions)
+        if out.logits is None:
+            break
+        widest = max(widest, len(out.rows))
+        choices = torch.zeros(len(out.rows), 2, dtype=torch.long)
+        for row, slot in enumerate(out.rows):
+            token = int(out.logits[row].argmax())
+            got[slot].append(token)
+            choices[row] = torch.tensor([token, ENDED if len(got[slot]) == steps[slot] else 0])
+        engine.commit(out.rows, choices)
+    assert widest == 4  # every sequence was in one step at some point
+    for i, prompt in enumerate(PROMPTS):
+        assert got[i] == alone(loaded, prompt, steps[i]), (layout, i)
+
+
+def run_scheduler(loaded: InferenceModel, slots: int = 4) -> tuple[Scheduler, threading.Thread]:
+    """A scheduler whose engine loop runs in a thread, as in the server."""
+    engine = BatchEngine(loaded, slots)
+    scheduler = Scheduler(loaded, engine, lambda ids: " ".join(map(str, ids)), max_queued=8)
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    return scheduler, thread
+
+
+def finish(jobs: list[Job]) -> None:
+    for job in jobs:
+        while wait(job, timeout=60) != "done":
+            pass
+        assert job.error is None, job.error
+
+
+def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_it():
+    loaded = tiny_loaded("rope_gqa_window")
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 6), str, max_queued=8)  # driven step by step, no thread
+    sampled = Sampling(max_tokens=6, temperature=0.8, top_k=20, seed=11, n=2)
+    solo, second = Job([5, 9, 13], sampled), Job([5, 9, 13], Sampling(**{**vars(sampled), "seed": 12, "n": 1}))
+    scheduler.submit([solo, second])
+    while not (solo.done and second.done):
+        scheduler.step()
+
+    running = Job(PROMPTS[0], Sampling(max_tokens=7, temperature=0))
+    scheduler.submit([running])
+    assert scheduler.step() == [0]  # its prefill
+    first = Job([5, 9, 13], sampled)
+    noise = Job(PROMPTS[3], Sampling(max_tokens=5, temperature=1.0, seed=3))  # draws its own random numbers
+    greedy = Job(PROMPTS[1], Sampling(max_tokens=2, temperature=0))
+    scheduler.submit([first, noise, greedy])
+    assert sorted(scheduler.step()) == [0, 1, 2, 3, 4]  # they joined the running sequence's next step
+    while not all(job.done for job in (running, first, noise, greedy)):
+        scheduler.step()
+    assert [c.tokens for c in first.choices] == [c.tokens for c in solo.choices]
+    assert first.choices[0].tokens != first.choices[1].tokens  # choice i samples with seed + i ...
+    assert first.choices[1].tokens == second.choices[0].tokens  # ... from its own copy of the prompt's cache
+    for job in (running, greedy):
+        n = job.sampling.max_tokens
+        assert job.choices[0].tokens == alone(loaded, job.ids, n) and job.choices[0].finish_reason == "length"
+    assert len(noise.choices[0].tokens) == 5
+
+
+def test_echo_logprobs_equal_a_full_forward_and_stop_strings_cut_the_text():
+    loaded = tiny_loaded("gpt2")
+    ids = [5, 9, 13, 2, 40]
+    scores = score_prompt(loaded, ids, top=3)
+    with torch.no_grad():
+        logp = loaded.model[0](torch.tensor([ids]), torch.arange(5)[None])[0, :, :VOCAB].log_softmax(-1)
+    torch.testing.assert_close(scores[:, 0].float(), logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1))
+    torch.testing.assert_close(scores[:, 1:4].float(), logp[:-1].topk(3).values)
+    assert scores[:, 4:].long().tolist() == logp[:-1].topk(3).indices.tolist()
+
+    scheduler, thread = run_scheduler(loaded)
+    greedy = alone(loaded, ids, 6)
+    stop = " ".join(map(str, greedy[2:4]))
+    job = Job(ids, Sampling(max_tokens=6, temperature=0, stop=[stop], logprobs=2, echo=True))
+    scored_only = Job(ids, Sampling(max_tokens=0, logprobs=1, echo=True))
+    scheduler.submit([job, scored_only])
+    finish([job, scored_only])
+    scheduler.stop()
+    thread.join(timeout=60)
+    choice = job.choices[0]
+    ends = next(k for k in range(1, 7) if stop in " ".join(map(str, greedy[:k])))  # the stop may come early
+    text = " ".join(map(str, greedy[:ends]))
+    assert choice.finish_reason == "stop" and choice.tokens == greedy[:ends] and choice.text == text[:text.find(stop)]
+    torch.testing.assert_close(torch.tensor(choice.token_logprobs), logp_of(loaded, ids, greedy[:ends]))
+    assert scored_only.choices[0].tokens == [] and scored_only.prompt_scores.shape == (4, 3)
+
+
+def logp_of(loaded: InferenceModel, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    ids = prompt + continuation
+    with torch.no_grad():
+        logp = loaded.model[0](torch.tensor([ids]), torch.arange(len(ids))[None])[0, :, :VOCAB].log_softmax(-1)
+    return logp[len(prompt) - 1:-1].gather(1, torch.tensor(continuation)[:, None]).squeeze(1)
+
+
+def test_the_queue_is_bounded():
+    loaded = tiny_loaded("gpt2")
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 2), str, max_queued=2)  # no engine thread: nothing leaves
+    scheduler.submit([Job([1], Sampling()), Job([2], Sampling())])
+    with pytest.raises(QueueFullError, match="full"):
+        scheduler.submit([Job([3], Sampling())])
