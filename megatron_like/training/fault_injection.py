@@ -34,12 +34,14 @@ RECOVERY_KINDS = {
     "hang": "the rank stops making progress at the start of the iteration (a hung collective): the watchdog ends it",
     "dead": "the rank dies (SIGKILL to itself) at the start of the iteration; first attempt only",
     "save_fail": "writing the rank's part of the checkpoint of the iteration fails (OSError EIO)",
-    "slow_save": "the rank's checkpoint write of the iteration takes twice the hang watchdog's per-iteration limit",
+    "slow_save": "the rank's checkpoint write of the iteration takes 3 s longer than the hang watchdog's "
+                 "per-iteration limit",
 }
 ONCE_PER_JOB = ("hang", "dead")
 """Kinds that fire only in the first torchrun attempt (the restarted workers must get past them)."""
 # ------------------------------------------------------------------------------------------------------------------
 
+SLOW_SAVE_EXCESS_SECONDS = 3.0
 KINDS = {**RECOVERY_KINDS}
 
 _installed: list[FaultSpec] = []
@@ -81,6 +83,6 @@ def step_faults(iteration: int, rank: int) -> None:
 def save_faults(iteration: int, rank: int, watchdog_limit_seconds: float | None) -> None:
     """Fire the faults due while ``rank`` writes the checkpoint of ``iteration`` (``slow_save``, ``save_fail``)."""
     if should_inject("slow_save", iteration, rank) and watchdog_limit_seconds is not None:
-        time.sleep(2 * watchdog_limit_seconds)
+        time.sleep(watchdog_limit_seconds + SLOW_SAVE_EXCESS_SECONDS)
     if should_inject("save_fail", iteration, rank):
         raise OSError(5, "Input/output error (injected by --inject-fault save_fail)")
