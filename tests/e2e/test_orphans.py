@@ -54,3 +54,42 @@ def test_no_torchrun_worker_survives_its_launcher(tmp_path):
             if agent.poll() is None:
                 agent.kill()
             agent.communicate()
+
+
+SUB_REAPER = """
+import ctypes, os, subprocess, sys
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans below come here, not to init
+launcher = subprocess.Popen(sys.argv[1:])
+print(launcher.pid, flush=True)
+while True:  # reap the launcher and every orphan until none is left
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+
+def test_a_one_process_torchrun_worker_dies_with_its_launcher_under_a_sub_reaper(tmp_path):
+    """tini or systemd as a sub-reaper adopts the orphan (its parent is not 1), and torchrun with one process
+    must arm the guard too."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-c", SUB_REAPER, sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "1", "pretrain_gpt.py", *gpt_flags(), "--num-workers", "0"]
+    reaper = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    try:
+        launcher = int(reaper.stdout.readline())
+        wait_for_line(reaper, "iteration        2/")
+        workers = child_pids(launcher)
+        assert len(workers) == 1, workers
+        os.kill(launcher, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # a bound for a loaded machine, not a timing claim
+        while alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(workers[0]), "the worker outlived its launcher"
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        reaper.kill()
+        reaper.communicate()
