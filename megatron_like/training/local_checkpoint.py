@@ -12,8 +12,9 @@ Why files in ``/dev/shm`` and not the worker's memory: torchrun's restart kills 
 outside the worker process; ``/dev/shm`` outlives it (it is freed at reboot or by deleting the files), needs no agent
 process to manage, and each file is written under a temporary name and renamed (never half-written). On several
 nodes the peer is usually on another node (the data-parallel replica), so the state of a lost node is still held
-elsewhere. The files live in ``/dev/shm/megatron_like-local-<hash of --save>-<torchrun run id>/``; a new job on the
-same ``--save`` deletes the directories of earlier jobs, and a run that ends normally deletes its own.
+elsewhere. The files live in ``/dev/shm/megatron_like-local-<hash of --save>-<hash of the model and parallel
+flags>-<torchrun run id>/``; a new job on the same ``--save`` deletes the directories of earlier jobs, and a run that
+ends normally deletes its own.
 
 After a restart (:func:`restore_local_checkpoint`, before the persistent checkpoint is read) every rank announces the
 copies in its slot of the directory (its own and the one it holds); all ranks gather the announcements and pick the
@@ -29,6 +30,7 @@ import contextlib
 import glob
 import hashlib
 import io
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -64,15 +66,28 @@ def _run_id() -> str:
     return "".join(c for c in os.environ.get("TORCHELASTIC_RUN_ID", "none") if c.isalnum() or c in "-_")[:64]
 
 
-def local_directory(save: str, run_id: str | None = None) -> str:
-    """``/dev/shm/megatron_like-local-<hash of --save>-<run id>``: where this job's local copies live."""
-    key = hashlib.sha256(os.path.abspath(save).encode()).hexdigest()[:16]
-    return os.path.join(SHM_ROOT, f"megatron_like-local-{key}-{run_id or _run_id()}")
+def _save_key(save: str) -> str:
+    return hashlib.sha256(os.path.abspath(save).encode()).hexdigest()[:16]
+
+
+def _layout_key(config: Config) -> str:
+    """A hash of the model and parallel flags: copies of another model or layout are never offered to this run."""
+    saved = config.to_dict()
+    return hashlib.sha256(json.dumps([saved["model"], saved["parallel"]], sort_keys=True).encode()).hexdigest()[:8]
+
+
+def local_directory(config: Config, run_id: str | None = None) -> str:
+    """``/dev/shm/megatron_like-local-<hash of --save>-<hash of model and layout>-<run id>``: where this job's local
+    copies live."""
+    return os.path.join(SHM_ROOT, f"megatron_like-local-{_save_key(config.checkpoint.save)}-{_layout_key(config)}-"
+                                  f"{run_id or _run_id()}")
 
 
 def _slot() -> int:
-    """This process's slot on its node: its local rank (one slot per process, so each file is announced once)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    """This process's slot: its global rank (also on several nodes of one host, each file has one announcer). A
+    restart that gives the rank to another node finds no copy there, and the run falls back to the persistent
+    checkpoint."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def peer_ranks(ps: ParallelState) -> tuple[int, int]:
@@ -122,7 +137,7 @@ class LocalCheckpoints:
 
     def __init__(self, config: Config, ps: ParallelState) -> None:
         self.interval = config.checkpoint.local_checkpoint_interval
-        self.directory = local_directory(config.checkpoint.save)
+        self.directory = local_directory(config)
         self.ps = ps
         os.makedirs(self.directory, exist_ok=True)
 
@@ -153,10 +168,10 @@ class LocalCheckpoints:
             os.rmdir(self.directory)
 
 
-def remove_earlier_jobs(save: str) -> None:
-    """Delete the local copies of earlier jobs on ``save`` (the job lock makes this job its only user)."""
-    this = local_directory(save)
-    for directory in glob.glob(local_directory(save, run_id="*")):
+def remove_earlier_jobs(config: Config) -> None:
+    """Delete the local copies of earlier jobs on ``--save`` (the job lock makes this job its only user)."""
+    this = local_directory(config)
+    for directory in glob.glob(os.path.join(SHM_ROOT, f"megatron_like-local-{_save_key(config.checkpoint.save)}-*")):
         if directory != this:
             shutil.rmtree(directory, ignore_errors=True)
 
@@ -177,9 +192,9 @@ def restore_local_checkpoint(config: Config, ps: ParallelState, model: list[nn.M
     """Restore every rank from the local copies when all of them survive at an iteration newer than the persistent
     checkpoint's ``persistent``; returns (iteration, consumed samples), or None (load the persistent one). All ranks
     call it together; every rank gets the same answer."""
-    directory = local_directory(config.checkpoint.save)
-    if _slot() == 0:
-        remove_earlier_jobs(config.checkpoint.save)
+    directory = local_directory(config)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per node
+        remove_earlier_jobs(config)
     comm.barrier()
     mine = [copy for kind in ("own", "held") for copy in _copies(directory, kind)[:1]]
     slots = [copy.announcement for copy in mine] + [NO_COPY] * (2 - len(mine))

@@ -12,10 +12,11 @@ import shutil
 import torch
 
 from megatron_like import collectives as comm
+from megatron_like.config import parse_config
 from megatron_like.training import loop
 from megatron_like.training.checkpointing import write_tracker
 from megatron_like.training.local_checkpoint import local_directory
-from tests.distributed.gpt_runs import train_gpt
+from tests.distributed.gpt_runs import BASE_FLAGS, train_gpt
 from tests.distributed.harness import run_distributed
 
 FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--global-batch-size", "4",
@@ -41,18 +42,19 @@ def interrupted_then_resumed(rank: int, world_size: int, root: str) -> dict:
     for case, lost in LOST.items():
         save = os.path.join(root, case.replace(" ", "_").replace("'", ""))
         local = ["--save", save, "--local-checkpoint-interval", "1"]
+        copies = local_directory(parse_config(BASE_FLAGS + FLAGS + local, world_size=world_size))
         train_gpt(rank, world_size, FLAGS + local + ["--save-interval", "2", "--exit-interval", "3"])
         comm.barrier()
         if rank == 0:  # killed after iteration 3 and before its persistent save: the tracker names 2
             shutil.rmtree(os.path.join(save, "iter_0000003"))
             write_tracker(save, 2)
             for name in lost:
-                os.remove(os.path.join(local_directory(save), name))
+                os.remove(os.path.join(copies, name))
         comm.barrier()
         out[case] = train_gpt(rank, world_size, FLAGS + local + ["--load", save])
         out[case]["restored_at"] = restored_at[-1]
         comm.barrier()  # both ranks have deleted their copies
-        out[case]["copies_left"] = os.path.exists(local_directory(save))
+        out[case]["copies_left"] = os.path.exists(copies)
     return out
 
 

@@ -11,11 +11,11 @@ import time
 from megatron_like.training import signals
 from megatron_like.training.fault_injection import FaultSpec, install_faults, step_faults
 
-LIMIT, SAVE_LIMIT = 1.0, 6.0
+LIMIT, SAVE_LIMIT = 0.5, 3.0
 
 
 def watched(body_name: str) -> None:
-    """In a fork: run ``BODIES[body_name]`` under a watchdog of a 1 s iteration limit and a 6 s save limit."""
+    """In a fork: run ``BODIES[body_name]`` under a watchdog of a 0.5 s iteration limit and a 3 s save limit."""
     signals._running = signals.HangWatchdog(LIMIT, sys._getframe(), SAVE_LIMIT)
     BODIES[body_name]()
     signals._running.stop()
