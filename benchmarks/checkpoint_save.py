@@ -214,7 +214,7 @@ def blocking_in_training(args: argparse.Namespace, config, ps, model, optimizer,
         while dist_checkpointing.writing():
             iteration()
             count += 1
-        dist_checkpointing.wait_for_async_save()
+        dist_checkpointing.wait_for_async_save(ps)
         windows.append((mode, since(start), count))
         waits[mode].append(waited[0])
     plain_iterations()

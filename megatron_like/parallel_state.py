@@ -245,12 +245,13 @@ class ParallelState:
                 f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} * "
                 + (f"--context-parallel-size {cp} * " if cp > 1 else "") + f"--pipeline-model-parallel-size {pp}"
             )
+        if not dist.is_initialized():
+            die_with_launcher()  # a worker must not outlive torchrun (no orphans writing checkpoints), even alone
         if world_size == 1 and not dist.is_initialized():
             return cls.single_process(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            die_with_launcher()  # a worker must not outlive torchrun (no orphans writing checkpoints)
             timeout = datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
             # With NCCL, device_id binds the process to its GPU and forms NCCL's world communicator now, with
             # every rank: the pipeline's first batch_isend_irecv (between neighbours only) must not be the

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from megatron_like.config.errors import _require
-from megatron_like.config.fields import POSITIVE
+from megatron_like.config.fields import POSITIVE, Requires
 
 
 @dataclass
@@ -34,6 +34,20 @@ class CheckpointConfig:
     async_save: bool = False
     """torch_dist only: copy the state to host memory, then write it in a background thread while training
     goes on; the next save and the end of training wait for it."""
+    save_timeout_minutes: Annotated[float, POSITIVE] = 60.0
+    """How long one checkpoint save (a synchronous write, the wait for the previous asynchronous write, the final
+    save) may take before the hang watchdog ends the run as hung; saves are exempt from the per-iteration limit
+    (--distributed-timeout-minutes plus 5 s)."""
+    keep_last_checkpoints: Annotated[int | None, POSITIVE, Requires("save")] = None
+    """Keep only this many newest checkpoints under --save (and the milestones of --keep-checkpoint-every); older
+    ones are deleted once a newer one is complete and named by the tracker. Default: keep all."""
+    keep_checkpoint_every: Annotated[int | None, POSITIVE, Requires("keep_last_checkpoints")] = None
+    """Milestones: a checkpoint whose iteration is a multiple of this is never deleted by --keep-last-checkpoints
+    (Orbax's keep_period)."""
+    local_checkpoint_interval: Annotated[int | None, POSITIVE, Requires("save")] = None
+    """Every this many iterations each rank keeps a copy of its state in host shared memory (/dev/shm) and sends
+    one to a peer rank; a restarted job (torchrun --max-restarts) resumes from them when every rank's copy survives,
+    else from the newest checkpoint of --save (docs/checkpoints.md)."""
     exit_interval: Annotated[int | None, POSITIVE] = None
     """Save and exit when the iteration is a multiple of this."""
     exit_duration_in_mins: Annotated[float | None, POSITIVE] = None

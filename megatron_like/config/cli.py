@@ -21,6 +21,7 @@ from typing import Literal
 
 from megatron_like.config.config import Config, _group_classes
 from megatron_like.config.errors import ConfigError, flag_name
+from megatron_like.config.fields import Repeatable, declared
 
 
 @functools.cache
@@ -102,6 +103,8 @@ def add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls:
         elif typing.get_origin(tp) is list:
             kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(tp)[0]
+            if declared(group_cls, f.name, Repeatable):
+                kwargs["action"] = "extend"
         else:
             kwargs["type"] = tp
         arg_group.add_argument(flag_name(f.name), **kwargs)

@@ -95,6 +95,15 @@ class Requires:
         return flag if self.value is _SET else f"{flag} {self.value}"
 
 
+@dataclass(frozen=True)
+class Repeatable:
+    """A list field whose flag may be given several times, each adding its values (``--inject-fault a --inject-fault
+    b``); a list flag without it takes the values of its last occurrence."""
+
+
+REPEATABLE = Repeatable()
+
+
 # ---------------------------------------------------------------- comparison with a checkpoint
 
 

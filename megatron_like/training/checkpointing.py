@@ -42,7 +42,10 @@ from megatron_like.config import Config
 from megatron_like.config.compare import refused_model_change
 from megatron_like.parallel_state import ParallelState
 from megatron_like.tensor_parallel import get_rng_tracker
+from megatron_like.training.fault_injection import save_faults
 from megatron_like.training.resume import resume_notice
+from megatron_like.training.retention import retain_after_save
+from megatron_like.training.signals import watchdog_limit
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -85,9 +88,14 @@ def rank_file(directory: str, dp_rank: int) -> str:
     return os.path.join(directory, MODEL_FILE if dp_rank == 0 else f"optim_rng_dp_{dp_rank:03d}.pt")
 
 
+TEMPORARY_MARK = ".megatron_like-tmp."
+"""In the name of every temporary file this code writes (``<file>.megatron_like-tmp.<pid>``): the lock's cleanup
+removes these and nothing else (job_lock.py)."""
+
+
 def write_atomically(path: str, write: Callable[[IO[bytes]], None]) -> None:
     """Write ``path`` through a temporary file, fsync it, then rename it over ``path`` (all or nothing)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}{TEMPORARY_MARK}{os.getpid()}"
     _fault("open")
     with open(tmp, "wb") as f:
         write(f)
@@ -200,12 +208,38 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
             scheduler=scheduler.state_dict() if scheduler is not None else None,
             dp_size=ps.dp_size,
         )
-    save_atomically(rank_file(path, replica), state)
-    comm.barrier()
+    failure = None
+    try:
+        save_faults(iteration, ps.rank, watchdog_limit())
+        save_atomically(rank_file(path, replica), state)
+    except OSError as error:
+        failure = save_failure(iteration, ps.rank, error)
+    raise_agreed(failure, ps)  # every rank's file is in (or every rank stops with the same line)
     if ps.rank == 0:
-        write_tracker(root, iteration)
-    comm.barrier()
+        try:
+            write_tracker(root, iteration)
+        except OSError as error:
+            failure = save_failure(iteration, ps.rank, error)
+        else:
+            retain_after_save(root, iteration, config.checkpoint.keep_last_checkpoints,
+                              config.checkpoint.keep_checkpoint_every)
+    raise_agreed(failure, ps)
     return path
+
+
+def save_failure(iteration: int, rank: int, error: BaseException) -> str:
+    """The one line every rank reports when ``rank`` failed to save ``iteration``."""
+    return (f"saving the checkpoint of iteration {iteration} failed on rank {rank}: {type(error).__name__}: "
+            f"{error}; the tracker still names the previous checkpoint")
+
+
+def raise_agreed(failure: str | None, ps: ParallelState, group: comm.Group = None) -> None:
+    """Meet every rank of ``group`` (default: all); when any of them passes a failure, every rank raises the
+    lowest failing rank's as a CheckpointError (at once, not at the distributed timeout)."""
+    group = comm.world_group() if group is None else group
+    agreed = comm.first_error(failure, group, ps.device if group is comm.world_group() else "cpu")
+    if agreed is not None:
+        raise CheckpointError(agreed)
 
 
 def write_tracker(root: str, iteration: int) -> None:

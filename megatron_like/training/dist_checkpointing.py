@@ -33,25 +33,19 @@ group, so its ``save`` and ``load`` are called here rather than through ``megatr
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import ctypes
-import dataclasses
-import io
 import os
 import pickle
-import struct
 import threading
 import warnings
-import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -62,7 +56,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
-    LoadPlanner,
     ReadItem,
     SavePlan,
     TensorWriteData,
@@ -70,7 +63,6 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.futures import Future
 
 from megatron_like import collectives as comm
 from megatron_like.config import Config
@@ -92,12 +84,14 @@ from megatron_like.parallel_state import ParallelState
 from megatron_like.training import checkpointing as ckpt
 from megatron_like.training.checkpoint_integrity import (
     EARLIER,
-    SavedArchive,
     check_storage_files,
     read_dcp_metadata,
-    verify_archive,
 )
+from megatron_like.training.dcp_reader import DirectReader
+from megatron_like.training.fault_injection import save_faults
 from megatron_like.training.resume import resume_notice
+from megatron_like.training.retention import retain_after_save
+from megatron_like.training.signals import saving, watchdog_limit
 
 # Format detection lives in checkpointing.py, which every run imports: this module pulls in DCP (and
 # DTensor, sympy: ~0.8 s per process) and is imported only by runs that read or write torch_dist.
@@ -191,179 +185,6 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)  # UnpicklingError: _one_line
 
 
-# --------------------------------------------------------------------------------------------------
-# Reader: whole saved tensors read straight into their destination
-# --------------------------------------------------------------------------------------------------
-
-# DCP stores each tensor item as a torch.save zip inside the rank's .distcp file. Its reader torch.loads
-# the item into a freshly allocated tensor (first touch of every page), then copies it into the destination:
-# twice the memory traffic of the bytes on disk. When the item is the whole saved tensor and the
-# destination is contiguous with the same dtype and size, the storage record's bytes are exactly the
-# destination's, and one readinto() does it.
-
-# torch.save's storage classes (the pickle names them) and their element types.
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "BFloat16Storage": torch.bfloat16, "HalfStorage": torch.float16,
-    "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-}
-
-
-@dataclasses.dataclass
-class _SavedTensor:
-    """What an item's ``data.pkl`` says about its one tensor (read without touching the storage bytes)."""
-
-    dtype: torch.dtype
-    record: str  # the storage's record name in the zip, e.g. ``data/0``
-    storage_numel: int
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _TensorPickle(pickle.Unpickler):
-    """Unpickles a ``torch.save``'d plain tensor into a :class:`_SavedTensor`; anything else is refused
-    (UnpicklingError), and the item goes through DCP's own reader."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *_: _SavedTensor(
-                storage[0], f"data/{storage[1]}", storage[2], offset, tuple(size), tuple(stride))
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> tuple[torch.dtype, str, int]:
-        kind, dtype, key, _location, numel = pid  # ("storage", element type, key, "cpu", numel)
-        if kind != "storage" or not isinstance(dtype, torch.dtype):
-            raise pickle.UnpicklingError(str(pid))
-        return dtype, key, numel
-
-
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of an open file, as a seekable file of their own (one DCP item)."""
-
-    def __init__(self, file: io.RawIOBase, start: int, length: int) -> None:
-        super().__init__()
-        self.file, self.start, self.length, self.pos = file, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence] + pos
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")[:max(0, self.length - self.pos)]
-        self.file.seek(self.start + self.pos)
-        got = self.file.readinto(view) or 0
-        self.pos += got
-        return got
-
-
-class _DirectReader(FileSystemReader):
-    """DCP's file reader that verifies every piece's checksum and reads a whole saved tensor straight into
-    its destination tensor.
-
-    DCP gets the index vetted by :func:`read_dcp_metadata` (``read_metadata`` returns it; the file is never
-    unpickled by DCP). Every item read is checked against the CRC-32s its archive was saved with
-    (docs/checkpoints.md): a changed byte is a one-line CheckpointError, never a loaded value.
-
-    The direct read is taken per item when: the item is the whole saved tensor (not a sub-range of a chunk
-    that this layout splits; at the saved layout every item is whole), the destination is a contiguous CPU
-    tensor of the saved dtype and shape, and the saved tensor is a plain contiguous one without a storage
-    offset. Its CRC is computed over the destination's bytes once read. Every other item (bytes, sub-ranges,
-    strided destinations) is checked whole, then read by the parent's ``read_data``. ``direct`` and
-    ``fallback`` count the tensor items each way (tests check which path a load took; bytes always take the
-    parent's).
-    """
-
-    def __init__(self, path: str, metadata: Any) -> None:
-        super().__init__(path)
-        self.metadata = metadata
-        self.direct = self.fallback = 0
-
-    def read_metadata(self) -> Any:  # no **kwargs: DCP then never asks for a rank-local index instead
-        return self.metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        rest = []
-        for relative_path, items in per_file.items():
-            with open(os.path.join(self.path, relative_path), "rb", buffering=0) as file:
-                # In file order: one forward pass over the file.
-                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    if item.type == LoadItemType.BYTE_IO or not self._read_into(file, item, planner):
-                        info = self.storage_data[item.storage_index]
-                        verify_archive(_Window(file, info.offset, info.length), self._piece_name(item))
-                        rest.append(item)
-        self.direct += len(plan.items) - len(rest)
-        self.fallback += sum(item.type != LoadItemType.BYTE_IO for item in rest)
-        if rest:
-            return super().read_data(dataclasses.replace(plan, items=rest), planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
-
-    def _piece_name(self, item: ReadItem) -> str:
-        """``<dir>/__0_0.distcp (piece model.x at [0, 0])``: where a message points."""
-        info, index = self.storage_data[item.storage_index], item.storage_index
-        at = f" at {list(index.offset)}" if index.offset is not None else ""
-        return f"{os.path.join(self.path, info.relative_path)} (piece {index.fqn}{at})"
-
-    def _read_into(self, file: io.RawIOBase, item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read ``item`` into its destination, verify and commit it; False (nothing read) when it does not qualify."""
-        info = self.storage_data[item.storage_index]
-        if any(item.storage_offsets):
-            return False
-        target = planner.resolve_tensor(item).detach()
-        if target.device.type != "cpu" or not target.is_contiguous() or target.numel() == 0:
-            return False
-        try:
-            archive = SavedArchive(_Window(file, info.offset, info.length), self._piece_name(item))
-            saved = _TensorPickle(io.BytesIO(archive.read("data.pkl"))).load()
-            byteorder = archive.read("byteorder") if "byteorder" in archive.records else b"little"
-            if not isinstance(saved, _SavedTensor) or saved.record not in archive.records:
-                return False
-            start = info.offset + archive.data_offset(saved.record)
-        except (pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError, TypeError, struct.error):
-            return False  # not a plain tensor archive: the whole-piece check and DCP's reader say what it is
-        lengths = tuple(item.lengths)
-        if not (saved.dtype == target.dtype and saved.storage_offset == 0
-                and saved.size == lengths == tuple(target.shape) and saved.storage_numel == target.numel()
-                and (saved.stride == torch.empty(saved.size, device="meta").stride() or target.numel() == 1)
-                and byteorder == b"little" and archive.records[saved.record].file_size == target.nbytes):
-            return False
-        file.seek(start)
-        # A view of the destination's bytes through ctypes: `.numpy()` would mark its storage non-resizable,
-        # and ZeRO-3 frees gathered parameters by resizing their storage to 0.
-        view = memoryview((ctypes.c_char * target.nbytes).from_address(target.data_ptr())).cast("B")
-        archive.check(saved.record, _read_exactly(file, view, self._piece_name(item)))
-        planner.commit_tensor(item, target)
-        return True
-
-
-def _read_exactly(file: io.RawIOBase, view: memoryview, what: str) -> memoryview:
-    """Fill ``view`` from ``file``; returns it (whole). A file that ends first is a one-line CheckpointError."""
-    rest = view
-    while len(rest):
-        got = file.readinto(rest)
-        if not got:
-            raise ckpt.CheckpointError(f"checkpoint file {what} ends inside the piece (a truncated checkpoint?); "
-                                       f"{EARLIER}")
-        rest = rest[got:]
-    return view
 
 
 @contextlib.contextmanager
@@ -376,9 +197,16 @@ def _process_group_or_none() -> Iterator[bool]:
 
 
 def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> None:
+    """DCP's save of ``state`` into iteration directory ``path``; a failed write on any rank is the same one-line
+    CheckpointError on every rank (DCP gathers every rank's result)."""
     with _process_group_or_none() as no_dist, ckpt.checksummed_saves():
-        dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
-                 process_group=group)
+        try:
+            dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
+                     process_group=group)
+        except CheckpointException as error:
+            rank, (failure, _) = min(error.failures.items())
+            raise ckpt.CheckpointError(f"writing checkpoint {path} failed on rank {rank}: {type(failure).__name__}: "
+                                       f"{failure}; the tracker still names the previous checkpoint") from None
 
 
 # What a failed read raises beyond CheckpointError: DCP's wrapper of every rank's errors, or (single process)
@@ -387,12 +215,12 @@ _READ_ERRORS = (CheckpointException, KeyError, ValueError, RuntimeError, OSError
                 AssertionError)
 
 
-def _dcp_load(state: dict[str, Any], path: str, metadata: Any = None, no_dist: bool | None = None) -> _DirectReader:
+def _dcp_load(state: dict[str, Any], path: str, metadata: Any = None, no_dist: bool | None = None) -> DirectReader:
     """Read ``state`` (``GlobalPieces`` in place, None for plain values) from iteration directory ``path``,
     whose vetted index is ``metadata`` (default: read here); returns the reader (its counts of items read
     directly and through DCP's reader). ``no_dist``: read in this process alone (default: when there is no
     process group). A failure on any rank is the same one-line CheckpointError on every rank (DCP gathers them)."""
-    reader = _DirectReader(path, read_dcp_metadata(path) if metadata is None else metadata)
+    reader = DirectReader(path, read_dcp_metadata(path) if metadata is None else metadata)
     with _process_group_or_none() as alone:
         no_dist = alone if no_dist is None else no_dist
         try:
@@ -451,7 +279,8 @@ def wait_for_async_staging() -> None:
     them in place; the copy thus overlaps the next iteration's forward and backward. Errors of the
     copy are raised by :func:`wait_for_async_save`."""
     if _AsyncWrite.staged is not None:
-        _AsyncWrite.staged.wait()
+        with saving("waiting for the background checkpoint save to copy the state"):
+            _AsyncWrite.staged.wait()
         _AsyncWrite.staged = None
 
 
@@ -460,21 +289,29 @@ def writing() -> bool:
     return _AsyncWrite.thread is not None and _AsyncWrite.thread.is_alive()
 
 
-def wait_for_async_save() -> None:
-    """Block until the background save (if any) is complete and named by the tracker; re-raise its error.
+def background_save_failed() -> bool:
+    """Whether this rank's background save ended with an error (the training loop then stops on every rank)."""
+    return _AsyncWrite.error is not None and not writing()
+
+
+def wait_for_async_save(ps: ParallelState) -> None:
+    """Block until the background save (if any) is complete and named by the tracker; when it failed on any rank,
+    every rank raises the same one-line CheckpointError.
 
     Called before the next save and at the end of training (by every rank)."""
     thread = _AsyncWrite.thread
     if thread is None:
         return
-    thread.join()
+    with saving("waiting for the background checkpoint save to finish"):
+        thread.join()
     _AsyncWrite.thread = _AsyncWrite.staged = None
-    # Rank 0 wrote the tracker in its thread: every rank returns only after that.
-    comm.barrier()
-    if _AsyncWrite.error is not None:
-        error, _AsyncWrite.error = _AsyncWrite.error, None
+    error, _AsyncWrite.error = _AsyncWrite.error, None
+    if error is not None:
         _AsyncWrite.buffers = {}  # a failed copy may have left them half-written or mis-shaped
-        raise ckpt.CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+    # Rank 0 wrote the tracker in its thread: every rank returns only after that (or fails with the same line).
+    if error is not None and not isinstance(error, ckpt.CheckpointError):  # agreed already when it is one
+        error = f"the background checkpoint save failed on rank {ps.rank}: {type(error).__name__}: {error}"
+    ckpt.raise_agreed(None if error is None else str(error), ps)
 
 
 def _staging_buffers(pieces: dict[str, GlobalPieces]) -> dict[str, GlobalPieces]:
@@ -513,7 +350,7 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
     buffers, which then writes them. Until :func:`wait_for_async_staging` returns, nothing may change the
     parameters or the optimizer state in place (``train_step`` waits right before the optimizer step).
     """
-    wait_for_async_save()
+    wait_for_async_save(ps)
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
     pieces: dict[str, GlobalPieces] = dict(model_save_pieces(model, ps, config.parallel.zero_stage))
@@ -533,15 +370,29 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
         "layout": _layout_of(ps),
     }
 
-    def write(state: dict[str, Any], group: comm.Group) -> None:
-        _dcp_save(state, path, group)
+    def write(state: dict[str, Any], group: comm.Group, staging_failure: str | None = None) -> None:
+        failure = staging_failure
+        try:
+            save_faults(iteration, ps.rank, watchdog_limit())
+        except OSError as error:
+            failure = failure or ckpt.save_failure(iteration, ps.rank, error)
+        ckpt.raise_agreed(failure, ps, group)  # before DCP's collectives, which a failed rank would not join
+        _dcp_save(state, path, group)  # DCP agrees on a failed write itself
         if ps.rank == 0:  # DCP's save returns once every rank's pieces and the index are written
-            ckpt.save_atomically(os.path.join(path, COMMON_FILE), common)
-            ckpt.write_tracker(root, iteration)
+            try:
+                ckpt.save_atomically(os.path.join(path, COMMON_FILE), common)
+                ckpt.write_tracker(root, iteration)
+            except OSError as error:
+                failure = ckpt.save_failure(iteration, ps.rank, error)
+            else:
+                retain_after_save(root, iteration, config.checkpoint.keep_last_checkpoints,
+                                  config.checkpoint.keep_checkpoint_every)
+                if config.checkpoint.async_save:  # the loop printed when it started
+                    print(f" > saved checkpoint at iteration {iteration} to {root}", flush=True)
+        ckpt.raise_agreed(failure, ps, group)  # every rank returns once the tracker names the new checkpoint
 
     if not config.checkpoint.async_save:
         write({**pieces, **values}, None)
-        comm.barrier()  # every rank returns once the tracker names the new checkpoint
         return path
     if not _AsyncWrite.group_made:
         _AsyncWrite.group, _AsyncWrite.group_made = comm.new_world_group(), True
@@ -552,15 +403,19 @@ def save_dist_checkpoint(root: str, iteration: int, config: Config, ps: Parallel
 
     def background() -> None:
         try:
+            failure = None
             try:
                 if before_async_staging is not None:
                     before_async_staging()
                 _copy_pieces(pieces, buffers)
+            except Exception as error:  # noqa: BLE001 - agreed with the other ranks, then raised by every one
+                failure = (f"copying the checkpoint of iteration {iteration} to host memory failed on rank "
+                           f"{ps.rank}: {type(error).__name__}: {error}")
             finally:
                 staged.set()  # also on failure: training must not wait forever, the error comes at the next wait
             if before_async_write is not None:
                 before_async_write()
-            write({**buffers, **values}, _AsyncWrite.group)
+            write({**buffers, **values}, _AsyncWrite.group, failure)
         except BaseException as error:  # noqa: BLE001 - handed to the training thread by wait_for_async_save
             _AsyncWrite.error = error
 

@@ -32,13 +32,16 @@ from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.fault_injection import install_faults, parse_fault, step_faults
 from megatron_like.training.job_lock import hold_checkpoint_directory
+from megatron_like.training.local_checkpoint import LocalCheckpoints, restore_local_checkpoint
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
 from megatron_like.training.preflight import check_run_paths
-from megatron_like.training.signals import ExitConditions
+from megatron_like.training.signals import SAVE_FAILED, ExitConditions, saving
+from megatron_like.training.signals import beat as watchdog_beat
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[Config, ParallelState, tuple[int, int, int]], tuple[Any, Any, Any]]
@@ -79,6 +82,9 @@ def check_supported(config: Config) -> None:
         raise ConfigError(f"--train-iters {config.training.train_iters} trains nothing; pass a positive number "
                           "(tools/evaluate.py evaluates a checkpoint without training)")
     check_run_paths(config)
+    if config.checkpoint.local_checkpoint_interval and config.parallel.zero_stage == 3:
+        raise ConfigError("--local-checkpoint-interval keeps each rank's parameters as they are between steps, which "
+                          "ZeRO-3 does not hold whole; use --zero-stage 2 or less, or drop the flag")
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
@@ -218,6 +224,7 @@ def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Cal
         for _ in range(num_batches):
             stats += schedule(forward_step_func, data_iterator, model, config.num_microbatches, forward_only=True,
                               seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
+            watchdog_beat()  # a long evaluation is progress, not a hang
     for chunk in model:
         chunk.train()
     return stats
@@ -243,11 +250,40 @@ def _full_params_for_save(config: Config, model: list[nn.Module]) -> contextlib.
     return contextlib.nullcontext()
 
 
+def save_and_report(config: Config, ps: ParallelState, iteration: int, model: list[nn.Module],
+                    optimizer: DistributedOptimizer, scheduler: LearningRateScheduler, consumed: int) -> None:
+    """Save the checkpoint of ``iteration`` under the watchdog's save limit; say so once it is complete (an
+    ``--async-save`` says it started; its background write prints the completion)."""
+    save = config.checkpoint.save
+    with saving(f"saving the checkpoint of iteration {iteration}"), _full_params_for_save(config, model):
+        save_checkpoint(save, iteration, config, ps, model, optimizer, scheduler, consumed)
+    if config.checkpoint.async_save:
+        print_rank(ps, f" > started saving checkpoint at iteration {iteration} to {save} in the background")
+    else:
+        print_rank(ps, f" > saved checkpoint at iteration {iteration} to {save}")
+
+
+def _stop_on_failed_background_save(ps: ParallelState) -> None:
+    """Every rank learnt in the same iteration that a background save failed: raise its agreed error."""
+    from megatron_like.training.dist_checkpointing import wait_for_async_save
+
+    wait_for_async_save(ps)
+
+
+def _background_save_failed(config: Config) -> bool:
+    if not config.checkpoint.async_save:
+        return False
+    from megatron_like.training.dist_checkpointing import background_save_failed
+
+    return background_save_failed()
+
+
 def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: Callable,
              datasets_provider: DatasetsProvider, ps: ParallelState | None = None,
              padded_vocab_size: int | None = None) -> TrainingResult:
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
+    install_faults([parse_fault(text) for text in config.training.inject_fault])
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
@@ -261,7 +297,15 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                                       use_checkpoint_values=config.checkpoint.use_checkpoint_opt_param_scheduler)
 
     iteration, consumed = 0, 0
-    if config.checkpoint.load and latest_iteration(config.checkpoint.load) is None:
+    local = LocalCheckpoints(config, ps) if config.checkpoint.local_checkpoint_interval else None
+    restored = None
+    if local is not None:  # newer than the persistent checkpoint when every rank's copy survived a restart
+        persistent = latest_iteration(config.checkpoint.load) if config.checkpoint.load else None
+        restored = restore_local_checkpoint(config, ps, model, optimizer, scheduler, persistent)
+    if restored is not None:
+        iteration, consumed = restored
+        print_rank(ps, f" > restored the local checkpoints of iteration {iteration} (--local-checkpoint-interval)")
+    elif config.checkpoint.load and latest_iteration(config.checkpoint.load) is None:
         # Megatron's rule, so that `--save D --load D` under `torchrun --max-restarts` starts and resumes.
         print_rank(ps, f" > WARNING: --load {config.checkpoint.load} holds no checkpoint; starting from scratch")
     elif config.checkpoint.load:
@@ -303,6 +347,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     for chunk in model:
         chunk.train()
     while iteration < t.train_iters:
+        step_faults(iteration + 1, ps.rank)
         with logger.watch_step(iteration + 1, model, optimizer):  # measures memory on CPU (logging.py)
             step = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
         losses, grad_norm = step.losses, step.grad_norm
@@ -342,22 +387,21 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
                 result.validation_stats.append(valid)
                 logger.evaluation(iteration, valid)
         ckpt = config.checkpoint
-        exit_reason = exit_conditions.check(iteration)
+        exit_reason = exit_conditions.check(iteration, _background_save_failed(config))
+        if exit_reason == SAVE_FAILED:
+            _stop_on_failed_background_save(ps)
         should_exit = exit_reason is not None
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
-            with _full_params_for_save(config, model):
-                save_checkpoint(ckpt.save, iteration, config, ps, model, optimizer, scheduler, consumed)
-            print_rank(ps, f" > saved checkpoint at iteration {iteration} to {ckpt.save}")
+            save_and_report(config, ps, iteration, model, optimizer, scheduler, consumed)
+        if local is not None and local.due(iteration):
+            local.save(iteration, consumed, model, optimizer, scheduler)
         if should_exit:
             print_rank(ps, f" > exiting at iteration {iteration} ({exit_reason})")
             break
     else:
         if config.checkpoint.save and not (config.checkpoint.save_interval
                                            and iteration % config.checkpoint.save_interval == 0):
-            with _full_params_for_save(config, model):
-                save_checkpoint(config.checkpoint.save, iteration, config, ps, model, optimizer, scheduler,
-                                consumed)
-            print_rank(ps, f" > saved checkpoint at iteration {iteration} to {config.checkpoint.save}")
+            save_and_report(config, ps, iteration, model, optimizer, scheduler, consumed)
         exit_conditions.beat()
         test_iter = data_iterator(test_ds, 0)
         if test_iter is not None and log.eval_iters > 0:
@@ -367,7 +411,9 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     if config.checkpoint.async_save:  # the last checkpoint is complete and named before the run returns
         from megatron_like.training.dist_checkpointing import wait_for_async_save
 
-        wait_for_async_save()
+        wait_for_async_save(ps)  # under the watchdog's save limit
+    if local is not None and iteration >= t.train_iters:  # done: the copies are no use any more
+        local.close()
     exit_conditions.close()
     logger.close()
     lock.release()

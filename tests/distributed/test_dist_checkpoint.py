@@ -102,9 +102,9 @@ def async_save_then_resume(rank: int, world_size: int, root: str) -> dict:
         release("copy")
         wait_staging()
 
-    def release_then_wait_save() -> None:
+    def release_then_wait_save(*args) -> None:  # noqa: ANN002 - wait_for_async_save's own arguments
         release("copy", "write")
-        wait_save()
+        wait_save(*args)
 
     DistributedOptimizer.step = step_then_release
     dist_checkpointing.wait_for_async_staging = release_then_wait_staging

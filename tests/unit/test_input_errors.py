@@ -167,7 +167,7 @@ def test_one_job_per_save_directory(tmp_path, capsys, monkeypatch):
     finally:
         other.kill()
         other.wait()
-    leftover = tmp_path / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt.tmp.4242"
+    leftover = tmp_path / "iter_0000001" / "mp_rank_00_000" / "model_optim_rng.pt.megatron_like-tmp.4242"
     leftover.parent.mkdir(parents=True)
     leftover.write_bytes(b"half a save")
     ps = ParallelState.single_process()

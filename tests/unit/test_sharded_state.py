@@ -38,15 +38,15 @@ def test_clip_to_drops_rows_beyond_a_smaller_saved_vocabulary():
 
 
 def test_single_process_torch_dist_resume_is_exact_and_detected(tmp_path, monkeypatch):
-    from megatron_like.training import dist_checkpointing
+    from megatron_like.training import dcp_reader
 
     flags = ["--hidden-dropout", "0.1", "--lr-decay-iters", "4", "--lr-warmup-iters", "1"]
     straight = train_gpt(0, 1, flags + ["--train-iters", "4"])
     train_gpt(0, 1, flags + ["--train-iters", "2", "--save", str(tmp_path), "--ckpt-format", "torch_dist"])
     assert (tmp_path / "iter_0000002" / ".metadata").exists()
     readers = []
-    read_data = dist_checkpointing._DirectReader.read_data
-    monkeypatch.setattr(dist_checkpointing._DirectReader, "read_data",
+    read_data = dcp_reader.DirectReader.read_data
+    monkeypatch.setattr(dcp_reader.DirectReader, "read_data",
                         lambda self, *args: (readers.append(self), read_data(self, *args))[1])
     # Loaded with --ckpt-format torch (the format of this run's own saves): --load reads it from the directory.
     resumed = train_gpt(0, 1, flags + ["--train-iters", "4", "--load", str(tmp_path), "--ckpt-format", "torch"])

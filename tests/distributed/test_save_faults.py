@@ -1,0 +1,63 @@
+"""No healthy job killed, no failed save left to the timeout (docs/checkpoints.md "Preemption and faults").
+
+* ``save_fail`` on rank 1 (``--inject-fault save_fail@2:1``): every rank stops with the same one line naming rank 1,
+  long before ``--distributed-timeout-minutes`` (5 here; the harness gives up after 3), in the three ways a save
+  runs: the torch format, torch_dist, torch_dist in the background (``--async-save``).
+* ``slow_save`` on every rank, 3 s longer than the hang watchdog's per-iteration limit: a synchronous save in the
+  middle of the run and the final background write both complete (the watchdog would end the process, status 1).
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_like.training.checkpointing import CheckpointError, latest_iteration
+from tests.distributed.gpt_runs import train_gpt
+from tests.distributed.harness import run_distributed
+
+SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--global-batch-size", "4",
+         "--save-interval", "2"]
+SAVE_WAYS = {"torch": ["--ckpt-format", "torch"], "torch_dist": [], "async": ["--async-save"]}
+
+
+def failing_saves(rank: int, world_size: int, root: str) -> dict[str, str | None]:
+    """Each way of saving with rank 1's save of iteration 2 failing: the error this rank stopped with."""
+    stopped = {}
+    for name, way in SAVE_WAYS.items():
+        flags = SMALL + way + ["--train-iters", "4", "--save", os.path.join(root, name), "--inject-fault",
+                               "save_fail@2:1", "--distributed-timeout-minutes", "5"]
+        try:
+            train_gpt(rank, world_size, flags)
+            stopped[name] = None
+        except CheckpointError as error:
+            stopped[name] = str(error)
+    return stopped
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_at_once_with_one_line(tmp_path):
+    results = run_distributed(failing_saves, 2, str(tmp_path), timeout=180)
+    for name in SAVE_WAYS:
+        messages = {rank_result[name] for rank_result in results}
+        assert len(messages) == 1, f"{name}: the ranks stopped differently: {messages}"
+        [message] = messages
+        assert message is not None, f"{name}: the failed save went unnoticed"
+        assert "\n" not in message and "failed on rank 1" in message and "injected" in message, message
+        assert latest_iteration(str(tmp_path / name)) is None, f"{name}: the tracker names a failed save"
+
+
+def slow_saves(rank: int, world_size: int, root: str) -> dict[str, int | None]:
+    """A slow synchronous save mid-run and a slow final background write: the iteration each tracker names."""
+    named = {}
+    for name, way, fault in (("sync", [], "slow_save@2"), ("async", ["--async-save"], "slow_save@3")):
+        save = os.path.join(root, name)
+        # 0.1 minutes: the watchdog's per-iteration limit is 6 + 5 s; each slow save takes 14 s.
+        train_gpt(rank, world_size, SMALL + way + ["--train-iters", "3", "--save", save, "--inject-fault", fault,
+                                                   "--distributed-timeout-minutes", "0.1"])
+        named[name] = latest_iteration(save)
+    return named
+
+
+def test_a_save_longer_than_the_watchdog_limit_completes(tmp_path):
+    results = run_distributed(slow_saves, 2, str(tmp_path), timeout=240)
+    assert results == [{"sync": 3, "async": 3}] * 2
+    assert (tmp_path / "sync" / "iter_0000002" / "common.pt").exists()  # the slow one, complete
