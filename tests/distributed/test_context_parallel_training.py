@@ -21,7 +21,7 @@ import pytest
 from megatron_like.parallel_state import ParallelState
 from tests.distributed import test_llama_parallel as llama
 from tests.distributed import test_moe_parallel as moe
-from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt_many
+from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
 from tests.distributed.harness import run_distributed
 
 
@@ -33,12 +33,24 @@ def cp(size: int, comm_type: str = "p2p") -> list[str]:
 # the counts summed over dp x cp (seq_aux_loss needs whole sequences and is refused at cp > 1: aux_loss here).
 DEEPSEEK_CP = [("aux_loss" if flag == "seq_aux_loss" else flag) for flag in moe.DEEPSEEK]
 
+# Attention dropout is a hash of one seed and the pair (sample, global head, positions), the seed drawn from the
+# per-tp-rank stream: at cp 2 the same pairs drop as in one process whose window takes the same blockwise core.
+ATTENTION_DROPOUT = ["--attention-dropout", "0.2"]
+
+
+@functools.cache
+def window_dropout_reference() -> dict:
+    return merge_ranks([train_gpt(0, 1, llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT)])
+
+
 CASES: dict[int, dict[str, list[str]]] = {
     2: {
         "cp2-p2p": llama.LLAMA + cp(2),
         "cp2-all_gather": llama.LLAMA + cp(2, "all_gather"),
         "cp2-a2a": llama.LLAMA + cp(2, "a2a"),
         "window-cp2-p2p": llama.LLAMA + llama.WINDOW + cp(2),
+        "window-dropout-cp2-p2p": llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT + cp(2),
+        "window-dropout-cp2-a2a": llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT + cp(2, "a2a"),
         "cp2-all_gather-recompute-selective": llama.LLAMA + cp(2, "all_gather") + [
             "--recompute-granularity", "selective"],
         "moe-cp2-ep2-alltoall": moe.MOE + cp(2) + moe.ep(2) + moe.ALLTOALL,
@@ -72,6 +84,8 @@ def test_context_parallel_training_equals_single_process(world_size: int, name: 
     elif name.startswith("moe"):
         assert_same_training(moe.reference(), run)
         moe.assert_same_router_losses(moe.reference(), run)
+    elif name.startswith("window-dropout"):
+        assert_same_training(window_dropout_reference(), run)
     elif name.startswith("window"):
         assert_same_training(llama.reference("window"), run)
     else:
