@@ -19,7 +19,9 @@ are ``KV = 2 b (g / tp) s_l d e`` bytes. By ``--cp-comm-type`` (``A`` the all-to
 
 Packed documents (``--reset-attention-mask``) add an all-gather of the int64 document ids ``[b, s]`` per layer
 forward. Recomputation re-runs the forward's exchanges: ``selective`` re-runs the core attention of every layer,
-``full`` the recomputed layers. Not counted: the loss's all-reduce of two floats per micro batch.
+``full`` the recomputed layers. The multi-token prediction depths (``--mtp-num-layers``) are layers of the last
+stage. Not counted (a few bytes per token per micro batch, not per layer): the loss's all-reduce of two floats and
+multi-token prediction's all-gathers of the token ids, labels and loss mask.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def context_parallel_bytes(config: Config, pp_rank: int) -> float:
     forward, backward = cp_layer_bytes(config)
     pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
     layers = sum(len(chunk_layers(m.num_layers, pp, pp_rank, vp, v)) for v in range(vp))
+    if pp_rank == pp - 1:  # the multi-token prediction depths' layers
+        layers += m.mtp_num_layers or 0
     # selective recomputation re-runs every layer's core attention, exchanges included
     recomputed = 1.0 if m.recompute_granularity == "selective" else full_recompute_fraction(config)
     return (forward * (1 + recomputed) + backward) * layers * config.num_microbatches
