@@ -53,10 +53,13 @@ def moe_output(config: Config, ps, x: torch.Tensor) -> list[torch.Tensor]:
 def on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     from megatron_like.parallel_state import ParallelState
 
-    results = {}
+    results, states = {}, {}
     for layout in LAYOUTS:
         config = config_of(layout, world_size)
-        results[layout] = moe_output(config, ParallelState.initialize(config.parallel, world_size), rank_tokens(rank))
+        ep = config.parallel.expert_model_parallel_size  # the two ep 2 layouts share their process groups
+        if ep not in states:
+            states[ep] = ParallelState.initialize(config.parallel, world_size)
+        results[layout] = moe_output(config, states[ep], rank_tokens(rank))
     return results
 
 

@@ -42,10 +42,13 @@ def measure(rank: int, world_size: int) -> dict[str, int]:
     from megatron_like.model.transformer import SelfAttention
     from megatron_like.parallel_state import ParallelState
 
+    # One set of process groups for every case (the a2a+p2p layout's: it has every group the others use); each case
+    # picks its mode.
+    ps = ParallelState.initialize(case_config("a2a+p2p").parallel, world_size)
     sent = {}
     for case in CASES:
         config = case_config(case)
-        ps = ParallelState.initialize(config.parallel, world_size)
+        ps.cp_comm_type = config.parallel.cp_comm_type
         dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
         layer = SelfAttention(config.model, ps, 0, 1, False, dtype)
         s, b = config.model.seq_length, config.training.micro_batch_size
