@@ -128,9 +128,10 @@ def against_pytorch_worker(args: argparse.Namespace) -> None:
             out.backward(grad_out)
             if ps.device.type == "cuda":
                 torch.cuda.synchronize()
-            seconds = torch.tensor([time.perf_counter() - start])
+            seconds = torch.tensor([time.perf_counter() - start], device=ps.device)  # NCCL reduces device tensors
         got = [out.detach()] + [t.grad for t in local]
-        difference = torch.tensor([max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, expected))])
+        difference = torch.tensor([max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, expected))],
+                                  device=ps.device)
         comm.all_reduce(seconds, ps.cp_group, op="max")
         comm.all_reduce(difference, ps.cp_group, op="max")
         return float(seconds), float(difference)
