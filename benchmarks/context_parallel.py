@@ -47,8 +47,9 @@ def run(nproc: int, flags: list[str]) -> tuple[float, float]:
                os.path.join(ROOT, "pretrain_gpt.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    if out.returncode != 0:  # the ranks' error lines, not only torchrun's summary that ends stderr
+        errors = "\n".join(line for line in out.stderr.splitlines() if "Error" in line)
+        sys.exit(f"{' '.join(command)} failed:\n{out.stdout[-2000:]}{errors[-3000:]}")
     rows = [(float(ms), float(gib)) for it, ms, gib in LINE.findall(out.stdout) if int(it) > 1]
     return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
 
