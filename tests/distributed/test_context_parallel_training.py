@@ -51,7 +51,6 @@ CASES: dict[int, dict[str, list[str]]] = {
         "cp2-all_gather": llama.LLAMA + cp(2, "all_gather"),
         "cp2-a2a": llama.LLAMA + cp(2, "a2a"),
         "window-cp2-p2p": llama.LLAMA + llama.WINDOW + cp(2),
-        "window-dropout-cp2-p2p": llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT + cp(2),
         "window-dropout-cp2-a2a": llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT + cp(2, "a2a"),
         "cp2-all_gather-recompute-selective": llama.LLAMA + cp(2, "all_gather") + [
             "--recompute-granularity", "selective"],
