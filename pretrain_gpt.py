@@ -79,10 +79,10 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, ps: Paralle
     With context parallelism (``ps.cp_size > 1``) the mean is over the whole sequence, whose other tokens the other
     cp ranks hold (``sequence_mean_loss``). With multi-token prediction (``mtp_loss_scaling_factor`` given,
     ``per_token_loss [1 + D, b, s]``) the depths' losses are added and logged as 'mtp_k loss'
-    (megatron_like/model/mtp.py; it runs without context parallelism).
+    (megatron_like/model/mtp.py), each the mean over the whole sequence too.
     """
     if mtp_loss_scaling_factor is not None:
-        return mtp_loss(loss_mask, per_token_loss, mtp_loss_scaling_factor)
+        return mtp_loss(loss_mask, per_token_loss, mtp_loss_scaling_factor, ps)
     if ps is not None and ps.cp_size > 1:
         loss, reported = sequence_mean_loss(per_token_loss, loss_mask, ps)
         return loss, {"lm loss": reported}

@@ -173,9 +173,6 @@ class Config:
         _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
                  f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
                  "rank); use --ckpt-format torch_dist")
-        _require(cp == 1 or m.mtp_num_layers is None,
-                 f"--mtp-num-layers with --context-parallel-size {cp}: token t+k of a cp rank's chunk may lie on "
-                 "another rank, and multi-token prediction does not fetch it yet: drop one of the two")
         _require(cp == 1 or not m.multi_latent_attention,
                  f"--multi-latent-attention has no context-parallel attention yet: drop --context-parallel-size {cp}")
         _require(cp == 1 or m.moe_router_load_balancing_type != "seq_aux_loss",

@@ -69,6 +69,13 @@ def dropout_keep(seed: int, batch: int, heads: int, q_positions: torch.Tensor, k
     return _shift_right(x, 64 - _HASH_BITS) >= round(dropout_p * (1 << _HASH_BITS))
 
 
+def dropout_seed_for_heads(seed: int, head_offset: int) -> int:
+    """The seed under which local query head ``h`` draws the dropout mask of head ``head_offset + h`` under
+    ``seed`` (the hash's input is linear in the head index: the offset folds into the seed). For a rank that holds
+    a slice of the heads, such as the all-to-all modes of context parallelism."""
+    return _signed((seed + head_offset * _STRIDES[1]) % (1 << 64))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the scores, softmax and lse are computed in: float32 for half types, else ``dtype`` itself."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

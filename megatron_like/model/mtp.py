@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from megatron_like.config import ModelConfig
+from megatron_like.model.context_parallel import gather_sequence, sequence_mean_loss, split_for_context_parallel
 from megatron_like.model.norms import build_norm
 from megatron_like.model.transformer import TransformerLayer, forward_layers
 from megatron_like.parallel_state import ParallelState
@@ -41,6 +42,16 @@ def shift_left(x: torch.Tensor, k: int, fill: int = 0) -> torch.Tensor:
     if k == 0:
         return x
     return torch.cat([x[:, k:], x.new_full((x.shape[0], min(k, x.shape[1])), fill)], dim=1)
+
+
+def shifted_along_sequence(x: torch.Tensor, depths: int, ps: ParallelState | None) -> list[torch.Tensor]:
+    """``x`` shifted left by 1 .. ``depths`` positions along the whole sequence (:func:`shift_left`), each ``[b,
+    s_local]``. Under context parallelism ``x [b, s / cp]`` is this rank's two chunks and token ``t + k`` may lie in
+    another rank's chunk: the ranks' chunks are gathered once, shifted and cut again (token ids and masks only)."""
+    if ps is None or ps.cp_size == 1:
+        return [shift_left(x, k) for k in range(1, depths + 1)]
+    whole = gather_sequence(x, ps)
+    return [split_for_context_parallel(shift_left(whole, k), ps.cp_size, ps.cp_rank) for k in range(1, depths + 1)]
 
 
 class MTPDepth(nn.Module):
@@ -84,6 +95,7 @@ class MultiTokenPrediction(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState, seed: int, sequence_parallel: bool,
                  dtype: torch.dtype) -> None:
         super().__init__()
+        self.ps = ps
         self.layers = nn.ModuleList(
             MTPDepth(config, ps, depth, seed, sequence_parallel, dtype) for depth in range(config.mtp_num_layers)
         )
@@ -97,36 +109,47 @@ class MultiTokenPrediction(nn.Module):
         Args:
             hidden_states: the main model's final (normed) hidden states ``[s, b, h]`` (``[s / tp, b, h]`` under
                 sequence parallelism).
-            input_ids, labels: ``[b, s]`` the micro batch's tokens and next tokens.
+            input_ids, labels: ``[b, s]`` the micro batch's tokens and next tokens (``[b, s / cp]``, this cp rank's
+                chunks, under context parallelism).
             embed: token ids ``[b, s]`` -> the model's word embeddings in the layers' layout ``[s, b, h]``.
             per_token_loss: hidden states and target ids ``[b, s]`` -> the output layer's cross entropy ``[b, s]``.
         """
+        depths = len(self.layers)
+        ahead = zip(shifted_along_sequence(input_ids, depths, self.ps), shifted_along_sequence(labels, depths, self.ps))
         losses = []
-        for k, depth in enumerate(self.layers, start=1):
-            hidden_states = depth(hidden_states, embed(shift_left(input_ids, k)), document_ids)
-            losses.append(per_token_loss(hidden_states, shift_left(labels, k)))
+        for depth, (token_ids, targets) in zip(self.layers, ahead):
+            hidden_states = depth(hidden_states, embed(token_ids), document_ids)
+            losses.append(per_token_loss(hidden_states, targets))
         return losses
 
 
-def mtp_loss(loss_mask: torch.Tensor, per_token_losses: torch.Tensor,
-             scaling_factor: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def mtp_loss(loss_mask: torch.Tensor, per_token_losses: torch.Tensor, scaling_factor: float,
+             ps: ParallelState | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro batch's training loss and its logged statistics, with multi-token prediction.
 
     Args:
         loss_mask: ``[b, s]`` 1 where ``labels`` counts (the LM loss's mask).
         per_token_losses: ``[1 + D, b, s]``: the LM loss, then depth k's (``GPTModel(..., with_mtp=True)``).
         scaling_factor: ``--mtp-loss-scaling-factor``.
+        ps: with context parallelism (``[b, s / cp]`` tensors, this rank's chunks) each mean is over the whole
+            sequence (``sequence_mean_loss``); None or cp 1: over these tokens.
     Returns:
         ``lm + scaling_factor / D * sum_k mtp_k`` and ``{"lm loss": lm, "mtp_1 loss": mtp_1, ...}``.
     """
+    def masked_mean(per_token: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mean to backpropagate, the mean to report); a mask with no token gives 0."""
+        if ps is not None and ps.cp_size > 1:
+            return sequence_mean_loss(per_token, mask, ps)
+        value = (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
+        return value, value.detach()
+
     mask = loss_mask.float()
-    lm = (per_token_losses[0].float() * mask).sum() / mask.sum()
-    stats = {"lm loss": lm.detach()}
+    total, lm = masked_mean(per_token_losses[0], mask)
+    stats = {"lm loss": lm}
     depths = per_token_losses.shape[0] - 1
-    total = lm
-    for k in range(1, depths + 1):
-        depth_mask = shift_left(mask, k)  # the mask of token t+k+1, which depth k predicts at t
-        value = (per_token_losses[k].float() * depth_mask).sum() / depth_mask.sum().clamp(min=1.0)
-        stats[f"mtp_{k} loss"] = value.detach()
+    depth_masks = shifted_along_sequence(mask, depths, ps)  # depth k predicts token t+k+1 at t
+    for k, depth_mask in enumerate(depth_masks, start=1):
+        value, reported = masked_mean(per_token_losses[k], depth_mask)
+        stats[f"mtp_{k} loss"] = reported
         total = total + scaling_factor / depths * value
     return total, stats

@@ -257,6 +257,16 @@ def microbatches_alive(config: Config, pp_rank: int) -> float:
     return chunks / vp
 
 
+def full_recompute_fraction(config: Config) -> float:
+    """Share of a model chunk's layers whose forward runs again in backward under ``--recompute-granularity
+    full`` (``uniform``: all of them; ``block``: the first ``--recompute-num-layers``); 0 otherwise."""
+    m = config.model
+    if m.recompute_granularity != "full":
+        return 0.0
+    chunk = m.num_layers // (config.parallel.pipeline_model_parallel_size * config.virtual_pipeline_size)
+    return 1.0 if m.recompute_method == "uniform" else min(m.recompute_num_layers, chunk) / chunk
+
+
 def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, device: str = "cuda") -> ActivationBytes:
     """Peak activation bytes of a rank of pipeline stage ``pp_rank`` on ``device`` (module docstring)."""
     m, p = config.model, config.parallel

@@ -39,7 +39,8 @@ from megatron_like.distributed.memory import StateBytes, theoretical_state_bytes
 from megatron_like.model import GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble
-from megatron_like.planning.activations import ActivationBytes, activation_bytes
+from megatron_like.planning.activations import ActivationBytes, activation_bytes, full_recompute_fraction
+from megatron_like.planning.context_parallel import context_parallel_bytes
 from megatron_like.training.metrics import flops_per_token
 
 GIB = 2**30
@@ -66,6 +67,8 @@ class RankPlan:
     """Of ``params``, the expert weights (sharded by ZeRO over the expert-data-parallel group)."""
     dispatcher_bytes: float = 0.0
     """Bytes this rank sends through the MoE token dispatcher per iteration (:func:`expert_parallel_bytes`)."""
+    cp_bytes: float = 0.0
+    """Bytes this rank sends for context-parallel attention per iteration (``planning/context_parallel.py``)."""
 
     @property
     def device_bytes(self) -> float:
@@ -261,11 +264,7 @@ def expert_parallel_bytes(config: Config, pp_rank: int) -> float:
         rows = (group - 1) * tokens
         forward = rows * (h * e + 4 * experts + experts + 4 * h)
         backward = rows * (h * e + 4 * experts + 4 * h)
-    recomputed = 0.0
-    if m.recompute_granularity == "full":
-        chunk = m.num_layers // (p.pipeline_model_parallel_size * config.virtual_pipeline_size)
-        recomputed = 1.0 if m.recompute_method == "uniform" else min(m.recompute_num_layers, chunk) / chunk
-    per_layer = forward * (1 + recomputed) + backward
+    per_layer = forward * (1 + full_recompute_fraction(config)) + backward
     return per_layer * stage_moe_layers(config, pp_rank) * config.num_microbatches
 
 
@@ -293,7 +292,7 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
             optimizer_bytes=0 if offloaded else state.optimizer, host_bytes=state.optimizer if offloaded else 0,
             activations=activation_bytes(config, pp_rank, padded_vocab_size, device),
             zero_transient_bytes=zero_transient_bytes(config, stage, param_bytes), expert_params=stage.expert,
-            dispatcher_bytes=expert_parallel_bytes(config, pp_rank),
+            dispatcher_bytes=expert_parallel_bytes(config, pp_rank), cp_bytes=context_parallel_bytes(config, pp_rank),
         ))
     single = copy.deepcopy(config)
     single.parallel.tensor_model_parallel_size = single.parallel.pipeline_model_parallel_size = 1
@@ -372,6 +371,10 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
     if dispatcher:
         lines.append(f" > expert-parallel {c.model.moe_token_dispatcher_type} bytes sent per rank per iteration "
                      f"(balanced routing): {dispatcher / GIB:.2f} GiB")
+    cp_bytes = max(r.cp_bytes for r in plan.ranks)
+    if cp_bytes:
+        lines.append(f" > context-parallel {p.cp_comm_type} attention bytes sent per rank per iteration: "
+                     f"{cp_bytes / GIB:.2f} GiB")
     if host:
         lines.append(f" > host memory for offloaded optimizer state per device: {host / GIB:.2f} GiB")
     lines.append(f"max memory per device: {plan.max_device_bytes / GIB:.2f} GiB (limit {device_memory_gib:g} GiB)")

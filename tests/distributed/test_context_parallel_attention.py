@@ -4,8 +4,9 @@ window; documents cut by the chunk boundaries, one of a single token), and a cp 
 masked out of the loss (its queries get no gradient; its keys and values still serve the others). Forward output
 and the gradients of q, k and v are compared on every rank with a dense masked softmax written out here.
 
-With attention dropout (no single-process twin: the masks depend on the layout) each mode's backward is checked to
-be the gradient of its own forward: the directional derivative along a random direction, by central differences
+With attention dropout (GQA, a window and packed documents) every mode equals the single-process blockwise core
+drawing its seed from the same torch seed (the same pairs dropped), and each mode's backward is checked to be the
+gradient of its own forward: the directional derivative along a random direction, by central differences
 of the whole sequence's loss with the dropout masks drawn again from the same seed, equals the one the gradients
 give; and the dropout is on (the output differs from the undropped one).
 
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 from megatron_like.config import ParallelConfig
+from megatron_like.model.blockwise_attention import blockwise_attention
 from megatron_like.model.context_parallel import Ring, context_parallel_attention, cp_positions, sequence_mean_loss
 from megatron_like.model.context_parallel.layout import split_for_context_parallel
 from megatron_like.model.context_parallel.ring import ring_step_tiles
@@ -113,8 +115,25 @@ def cp_attention_on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Te
                                              document_ids=local_documents)
             out.backward(grad_out)
             results[f"{mode}/{case}"] = [out.detach(), q.grad, k.grad, v.grad]
+        results[f"{mode}/dropout"] = dropout_attention_on_rank(ps)
     results["loss"] = sequence_loss_on_rank(ps)
     return results
+
+
+DROPOUT = 0.3
+DROPOUT_SEED = 99  # the torch seed each side draws the attention dropout's seed from
+
+
+def dropout_attention_on_rank(ps: ParallelState) -> list[torch.Tensor]:
+    """Grouped-query attention with a window, packed documents and attention dropout on this cp rank: output and
+    gradients, local ``[b, h, s / cp, d]``."""
+    q, k, v, grad_out = (split_for_context_parallel(t, ps.cp_size, ps.cp_rank, dim=2) for t in inputs(8, 4, None, 2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.manual_seed(DROPOUT_SEED)
+    out = context_parallel_attention(q, k, v, ps, window_left=6, dropout_p=DROPOUT,
+                                     document_ids=split_for_context_parallel(document_ids(), ps.cp_size, ps.cp_rank))
+    out.backward(grad_out)
+    return [out.detach(), q.grad, k.grad, v.grad]
 
 
 def loss_inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +151,6 @@ def sequence_loss_on_rank(ps: ParallelState) -> list[torch.Tensor]:
     loss, reported = sequence_mean_loss(per_token, mask, ps)
     loss.backward()
     return [reported, per_token.grad / ps.cp_size]
-
-
-DROPOUT = 0.3
 
 
 def dropout_checks_on_ranks(rank: int, world_size: int) -> dict[str, list[float]]:
@@ -203,6 +219,24 @@ def test_context_parallel_attention_equals_single_process(cp: int, mode: str, ca
     if CASES[case][4] is not None:  # the masked rank's queries get no gradient, its keys and values do
         masked = runs(cp)[CASES[case][4]][f"{mode}/{case}"]
         assert masked[1].abs().max() == 0 and masked[2].abs().max() > 0
+
+
+@pytest.mark.parametrize("cp,mode", [(cp, mode) for cp, modes in MODES.items() for mode in modes])
+def test_attention_dropout_equals_single_process_dropout(cp: int, mode: str) -> None:
+    """The same pairs dropped as one process's blockwise core drops from the same seed: every mode numbers heads
+    and positions globally (the all-to-all modes offset their slice of the heads)."""
+    q, k, v, grad_out = inputs(8, 4, None, 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.manual_seed(DROPOUT_SEED)
+    out = blockwise_attention(q, k, v, q_documents=document_ids(), window_left=6, dropout_p=DROPOUT, block_size=5)[0]
+    out.backward(grad_out)
+    undropped = blockwise_attention(q, k, v, q_documents=document_ids(), window_left=6)[0]
+    assert (out - undropped).abs().max() > 0.1  # the dropout is on
+    for rank, per_rank in enumerate(runs(cp)):
+        for name, value, whole in zip(("out", "dq", "dk", "dv"), per_rank[f"{mode}/dropout"],
+                                      (out.detach(), q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(value, split_for_context_parallel(whole, cp, rank, dim=2), rtol=1e-10,
+                                       atol=1e-12, msg=lambda m, name=name, rank=rank: f"rank {rank} {name}: {m}")
 
 
 @pytest.mark.parametrize("cp", [2, 4])

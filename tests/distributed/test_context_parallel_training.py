@@ -17,11 +17,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 from megatron_like.parallel_state import ParallelState
 from tests.distributed import test_llama_parallel as llama
 from tests.distributed import test_moe_parallel as moe
-from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt_many
+from tests.distributed import test_mtp_parallel as mtp
+from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
 from tests.distributed.harness import run_distributed
 
 
@@ -33,20 +35,33 @@ def cp(size: int, comm_type: str = "p2p") -> list[str]:
 # the counts summed over dp x cp (seq_aux_loss needs whole sequences and is refused at cp > 1: aux_loss here).
 DEEPSEEK_CP = [("aux_loss" if flag == "seq_aux_loss" else flag) for flag in moe.DEEPSEEK]
 
+# Attention dropout is a hash of one seed and the pair (sample, global head, positions), the seed drawn from the
+# per-tp-rank stream: at cp 2 the same pairs drop as in one process whose window takes the same blockwise core.
+ATTENTION_DROPOUT = ["--attention-dropout", "0.2"]
+
+
+@functools.cache
+def window_dropout_reference() -> dict:
+    return merge_ranks([train_gpt(0, 1, llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT)])
+
+
 CASES: dict[int, dict[str, list[str]]] = {
     2: {
         "cp2-p2p": llama.LLAMA + cp(2),
         "cp2-all_gather": llama.LLAMA + cp(2, "all_gather"),
         "cp2-a2a": llama.LLAMA + cp(2, "a2a"),
         "window-cp2-p2p": llama.LLAMA + llama.WINDOW + cp(2),
+        "window-dropout-cp2-a2a": llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT + cp(2, "a2a"),
         "cp2-all_gather-recompute-selective": llama.LLAMA + cp(2, "all_gather") + [
             "--recompute-granularity", "selective"],
         "moe-cp2-ep2-alltoall": moe.MOE + cp(2) + moe.ep(2) + moe.ALLTOALL,
+        "mtp-cp2-p2p": mtp.MTP + cp(2),
         "deepseek-cp2-ep2-alltoall": moe.MOE + DEEPSEEK_CP + cp(2) + moe.ep(2) + moe.ALLTOALL,
     },
     4: {
         "cp2-tp2-sp": llama.LLAMA + cp(2) + llama.TP2 + llama.SP,
         "cp2-pp2-vp2": llama.LLAMA + cp(2, "all_gather") + llama.PP2 + llama.VP,
+        "mtp-cp2-a2a-pp2": mtp.MTP + cp(2, "a2a") + llama.PP2,
         "cp2-dp2-zero3": llama.LLAMA + cp(2) + llama.zero(3),
         "cp4-a2a+p2p": llama.LLAMA + cp(4, "a2a+p2p") + ["--hierarchical-context-parallel-sizes", "2", "2"],
         "moe-cp2-ep2-dp2-allgather-zero1": moe.MOE + cp(2) + moe.ep(2) + moe.ALLGATHER + moe.zero(1),
@@ -69,9 +84,14 @@ def test_context_parallel_training_equals_single_process(world_size: int, name: 
         assert_same_training(expected, run)
         moe.assert_same_router_losses(expected, run)
         moe.assert_same_expert_biases(expected, run)
+    elif name.startswith("mtp"):  # each depth's loss too: token t + k of a rank's chunk may lie on the other rank
+        torch.testing.assert_close(mtp.mtp_losses(run), mtp.mtp_losses(mtp.reference()), rtol=1e-5, atol=0)
+        assert_same_training(mtp.reference(), run)
     elif name.startswith("moe"):
         assert_same_training(moe.reference(), run)
         moe.assert_same_router_losses(moe.reference(), run)
+    elif name.startswith("window-dropout"):
+        assert_same_training(window_dropout_reference(), run)
     elif name.startswith("window"):
         assert_same_training(llama.reference("window"), run)
     else:

@@ -51,7 +51,6 @@ def test_a_cp_rank_with_every_token_masked_gives_a_finite_loss_and_no_gradient()
     ("--context-parallel-size 2 --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
      "--v-head-dim 8 --position-embedding-type rope --disable-bias-linear",
      "--multi-latent-attention has no context-parallel attention"),
-    ("--context-parallel-size 2 --mtp-num-layers 1", "--mtp-num-layers with --context-parallel-size 2"),
 ])
 def test_a_layout_that_cannot_work_stops_in_one_line(extra: str, expected: str, capsys, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")

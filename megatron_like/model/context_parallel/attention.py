@@ -15,8 +15,9 @@ returns the attention output of its queries over the whole sequence's keys, ``[b
 Every mode runs the blockwise core (``model/blockwise_attention.py``) on global positions and document ids, so it
 computes exactly single-process causal, sliding-window or packed-document attention and skips the masked tiles
 (tiles of at most the core's block size inside each of the ``2 cp`` chunks). Attention dropout drops a pair by a
-hash of one seed and the pair, so the masks do not depend on which step or rank computes it (the all-to-all modes
-number heads locally, so their masks differ from one process's, as tensor parallelism's do).
+hash of one seed and the pair (sample, head, positions), so the masks do not depend on which step or rank computes
+it; the all-to-all modes offset the seed by their slice of the heads (``dropout_seed_for_heads``), so every mode
+drops the pairs one process's blockwise core drops.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from megatron_like import collectives as comm
-from megatron_like.model.blockwise_attention import DEFAULT_BLOCK_SIZE, blockwise_attention
+from megatron_like.model.blockwise_attention import DEFAULT_BLOCK_SIZE, blockwise_attention, dropout_seed_for_heads
 from megatron_like.model.context_parallel.layout import cp_positions
 from megatron_like.model.context_parallel.ring import Ring, ring_attention
 from megatron_like.parallel_state import ParallelState
@@ -93,6 +94,12 @@ def _member_documents(every: torch.Tensor | None, cp_size: int, members: int) ->
     return None if every is None else list(every.chunk(members, dim=1))
 
 
+def _head_slice_seed(seed: int, q: torch.Tensor, a2a_group: comm.Group) -> int:
+    """The dropout seed of this rank's slice of the heads after the all-to-all, ``q [b, h / n, s, d]``: its heads
+    draw the masks the same heads draw in one process (slice j of the heads lives on rank j of the group)."""
+    return dropout_seed_for_heads(seed, comm.group_rank(a2a_group) * q.shape[1])
+
+
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ps: ParallelState, *,
                                window_left: int | None = None, causal: bool = True, dropout_p: float = 0.0,
                                softmax_scale: float | None = None, document_ids: torch.Tensor | None = None
@@ -122,6 +129,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                    k_documents=all_documents, **options)[0]
     if mode == "a2a":
         q, k, v = (_SequenceToHeads.apply(t, ps.cp_group, False) for t in (q, k, v))
+        options["dropout_seed"] = _head_slice_seed(seed, q, ps.cp_group)
         out = blockwise_attention(q, k, v, q_positions=every, k_positions=every, q_documents=all_documents,
                                   k_documents=all_documents, **options)[0]
         return _SequenceToHeads.apply(out, ps.cp_group, True)
@@ -130,6 +138,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         a2a = comm.group_size(a2a_group)
         if a2a > 1:
             q, k, v = (_SequenceToHeads.apply(t, a2a_group, False) for t in (q, k, v))
+            seed = _head_slice_seed(seed, q, a2a_group)
         members = cp // a2a  # ring member m holds the tokens of cp ranks m * a2a .. (m + 1) * a2a - 1
         ring = Ring(
             global_ranks=ps.cp_ring_global_ranks if mode == "a2a+p2p" else ps.cp_global_ranks,

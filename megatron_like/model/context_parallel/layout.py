@@ -46,6 +46,21 @@ def split_for_context_parallel(tensor: torch.Tensor, cp_size: int, cp_rank: int,
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
+def gather_sequence(local: torch.Tensor, ps: ParallelState, dim: int = 1) -> torch.Tensor:
+    """The whole sequence ``[.., s, ..]`` in position order from every cp rank's two chunks ``[.., s / cp, ..]``
+    along ``dim`` (the inverse of :func:`split_for_context_parallel`). For token ids and masks: no gradient flows
+    back."""
+    cp = ps.cp_size
+    if cp == 1:
+        return local
+    pieces = comm.all_gather_along_dim(local, ps.cp_group, dim).chunk(2 * cp, dim=dim)  # rank r's two chunks
+    ordered = [None] * (2 * cp)
+    for rank in range(cp):
+        for piece, chunk in zip(pieces[2 * rank:2 * rank + 2], cp_chunk_ids(cp, rank)):
+            ordered[chunk] = piece
+    return torch.cat(ordered, dim=dim)
+
+
 def split_batch(batch: dict[str, torch.Tensor | None], ps: ParallelState) -> dict[str, torch.Tensor | None]:
     """Every ``[b, s]`` tensor of a GPT batch cut to this cp rank's ``[b, s / cp]`` (the same cut for all of them;
     None values stay None)."""

@@ -1,0 +1,83 @@
+"""The planner's context-parallel traffic (``planning.context_parallel``) against the bytes the attention layer
+actually sends (``collectives.count_traffic``) in one forward and backward at cp 4 on four ranks: each
+--cp-comm-type (a2a+p2p as 2 x 2), the ring in bf16 (its dK/dV travel in float32), and the ring with packed
+documents (their ids all-gathered) under selective recomputation (the forward's exchanges run again)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megatron_like.config import Config, parse_config
+
+CP = 4
+FLAGS = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
+         "--num-query-groups", "4", "--position-embedding-type", "rope", "--seq-length", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--vocab-size", "64",
+         "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
+         "--context-parallel-size", str(CP)]
+CASES = {
+    "p2p": ["--cp-comm-type", "p2p"],
+    "all_gather": ["--cp-comm-type", "all_gather"],
+    "a2a": ["--cp-comm-type", "a2a"],
+    "a2a+p2p": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+    "p2p-bf16": ["--cp-comm-type", "p2p", "--bf16"],
+    "p2p-documents-selective": ["--cp-comm-type", "p2p", "--recompute-granularity", "selective"],
+}
+
+
+def case_config(case: str) -> Config:
+    config = parse_config(FLAGS + CASES[case], world_size=CP)
+    # --reset-attention-mask needs end-of-document tokens, which --mock-data lacks: set on the parsed config
+    config.data.reset_attention_mask = "documents" in case
+    return config
+
+
+def measure(rank: int, world_size: int) -> dict[str, int]:
+    """Bytes this rank sends in one attention layer's forward and backward, per case."""
+    from megatron_like import collectives
+    from megatron_like.model.context_parallel import split_for_context_parallel
+    from megatron_like.model.transformer import SelfAttention
+    from megatron_like.parallel_state import ParallelState
+
+    # One set of process groups for every case (the a2a+p2p layout's: it has every group the others use); each case
+    # picks its mode.
+    ps = ParallelState.initialize(case_config("a2a+p2p").parallel, world_size)
+    sent = {}
+    for case in CASES:
+        config = case_config(case)
+        ps.cp_comm_type = config.parallel.cp_comm_type
+        dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
+        layer = SelfAttention(config.model, ps, 0, 1, False, dtype)
+        s, b = config.model.seq_length, config.training.micro_batch_size
+        x = torch.randn(s // CP, b, 64, generator=torch.Generator().manual_seed(rank), dtype=dtype,
+                        requires_grad=True)
+        documents = None
+        if config.data.reset_attention_mask:  # documents of 10 tokens, cut by the chunk boundaries
+            documents = split_for_context_parallel(torch.arange(s).div(10, rounding_mode="floor").expand(b, s),
+                                                   CP, ps.cp_rank)
+        with collectives.count_traffic() as traffic:
+            layer(x, document_ids=documents).float().square().sum().backward()
+        sent[case] = traffic.bytes_sent
+    return sent
+
+
+@functools.cache
+def measured() -> list[dict[str, int]]:
+    from tests.distributed.harness import run_distributed
+
+    return run_distributed(measure, CP)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_cp_bytes_match_the_counted_traffic(case: str) -> None:
+    from megatron_like.planning.context_parallel import context_parallel_bytes
+
+    config = case_config(case)
+    assert config.num_microbatches == 1 and config.model.num_layers == 1  # the plan is per iteration
+    planned = context_parallel_bytes(config, 0)
+    assert planned > 0
+    for rank, sent in enumerate(measured()):
+        assert sent[case] == planned, f"rank {rank}: sent {sent[case]}, planned {planned}"
