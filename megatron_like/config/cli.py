@@ -67,6 +67,9 @@ MEGATRON_SPELLINGS = {
 }
 """Flags Megatron-LM spells with an underscore; both spellings are accepted."""
 
+REPEATABLE_FLAGS = {"inject_fault"}
+"""List flags whose occurrences add up (``--inject-fault A --inject-fault B``); other list flags keep the last."""
+
 
 def add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls: type) -> None:
     """Add one flag per field of ``group_cls`` to ``parser``, in an argument group named ``group_name``; a
@@ -102,6 +105,8 @@ def add_group_flags(parser: argparse.ArgumentParser, group_name: str, group_cls:
         elif typing.get_origin(tp) is list:
             kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(tp)[0]
+            if f.name in REPEATABLE_FLAGS:  # each occurrence adds to the list (argparse copies the default first)
+                kwargs["action"] = "extend"
         else:
             kwargs["type"] = tp
         arg_group.add_argument(flag_name(f.name), **kwargs)

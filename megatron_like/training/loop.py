@@ -32,6 +32,7 @@ from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
+from megatron_like.training.fault_injection import install_faults, parse_fault
 from megatron_like.training.job_lock import hold_checkpoint_directory
 from megatron_like.training.logging import TrainingLogger
 from megatron_like.training.lr_schedule import LearningRateScheduler
@@ -79,6 +80,8 @@ def check_supported(config: Config) -> None:
         raise ConfigError(f"--train-iters {config.training.train_iters} trains nothing; pass a positive number "
                           "(tools/evaluate.py evaluates a checkpoint without training)")
     check_run_paths(config)
+    for text in config.resilience.inject_fault:
+        parse_fault(text)
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
@@ -249,6 +252,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     check_supported(config)
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
+    install_faults(config.resilience.inject_fault)  # a test tool; empty (off) unless --inject-fault is given
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
     model = build_model_chunks(config, ps, model_provider)
     if ps.dp_cp_rank == 0:  # one line per (tensor, pipeline) rank: cp ranks hold the same parameters
