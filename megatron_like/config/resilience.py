@@ -33,7 +33,7 @@ class ResilienceConfig:
     """Warn when a rank's compute time is above this factor x the median rank's."""
     inject_fault: list[str] = field(default_factory=list)
     """Test tool, off by default: KIND@ITER[:RANK] makes the run fail on purpose (repeatable); KIND is nan_loss,
-    nan_grad, transient or slow (training/fault_injection.py)."""
+    nan_grad, transient, loss_spike or slow (training/fault_injection.py)."""
 
     def validate(self) -> None:
         """Nothing between fields: --inject-fault is parsed by the trainer's checks (training/fault_injection.py,

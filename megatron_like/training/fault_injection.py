@@ -7,6 +7,7 @@ real cluster produces by chance, at a known iteration on a known rank::
     --inject-fault nan_loss@3          the loss of iteration 3 is NaN on every rank, every time it runs
     --inject-fault nan_grad@3:1        rank 1's gradients of iteration 3 are NaN after their reduction
     --inject-fault transient@3         iteration 3's loss is NaN on its first execution only (a flipped bit)
+    --inject-fault loss_spike@3        iteration 3's loss is SPIKE_FACTOR x larger, every time it runs
     --inject-fault slow@2:1            rank 1 sleeps SLOW_SECONDS in every step from iteration 2 on
 
 ``ITER`` is the 1-based number of the training iteration (the one the log line prints); ``RANK`` the global
@@ -42,11 +43,14 @@ KINDS: dict[str, FaultKind] = {
     "nan_grad": FaultKind("the rank's gradients are NaN after their reduction, every time the iteration runs"),
     "transient": FaultKind("the loss is NaN on the first execution of that iteration only (a flipped bit)",
                            once=True),
+    "loss_spike": FaultKind("the loss is SPIKE_FACTOR x its value on that iteration, every time it runs"),
     "slow": FaultKind("the rank sleeps SLOW_SECONDS in each step from that iteration on (a straggler)",
                       from_iteration_on=True),
 }
 """Every kind of fault, by the name ``--inject-fault`` takes."""
 
+SPIKE_FACTOR = 1000.0
+"""What a ``loss_spike`` multiplies the loss by: far above any --loss-spike-factor."""
 SLOW_SECONDS = 0.2
 """How long a ``slow`` rank sleeps per step: several times a tiny test model's step on a loaded CPU."""
 
