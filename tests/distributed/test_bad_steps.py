@@ -112,7 +112,7 @@ def test_bad_steps_in_a_row_save_and_exit_17(tmp_path):
 
 
 def _weights(root: Path, iteration: int) -> dict[str, torch.Tensor]:
-    state = torch.load(root / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    state = torch.load(root / f"iter_{iteration:07d}" / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=True)
     return state["model"][0]
 
 
