@@ -118,8 +118,10 @@ def _weights(root: Path, iteration: int) -> dict[str, torch.Tensor]:
 
 def test_transient_fault_exits_16_and_a_restart_ends_as_a_straight_run(tmp_path):
     straight, restarted = tmp_path / "straight", tmp_path / "restarted"
-    launch(2, TINY + ["--train-iters", "5", "--save", str(straight)])
-    flags = TINY + ["--train-iters", "5", "--rerun-mode", "validate_results", "--inject-fault", "transient@3"]
+    launch(2, TINY + ["--train-iters", "5", "--hidden-dropout", "0.1", "--save", str(straight)])
+    # Dropout on: the rerun must draw the masks of the first execution (the generators put back).
+    flags = TINY + ["--train-iters", "5", "--hidden-dropout", "0.1", "--rerun-mode", "validate_results",
+                    "--inject-fault", "transient@3"]
     # What the launcher sees: status 16 after a checkpoint of iteration 3 (the clean rerun's update is kept).
     ranks = _script(flags[len(TINY):] + ["--save", str(tmp_path / "once")])
     assert [code for code, _, _ in ranks] == [16, 16], ranks
