@@ -2,9 +2,10 @@
 
 Order of one run: (flag and path checks) -> process groups -> the lock of ``--save`` -> seeds -> model
 chunks -> optimizer and schedule -> (validate the checkpoint on every rank, resume) ->
-data iterators -> steps (forward/backward schedule, gradient reductions, clipping, AdamW, lr) with the
-log line, evaluation and checkpoints at their intervals. Data parallelism, ZeRO and the optimizer are
-applied in ``parallelize.py`` (its docstring gives the order of every kind of parallelism).
+data iterators -> steps (forward/backward schedule, gradient reductions, every rank's bad-step verdict
+(``bad_steps.py``), clipping, AdamW, lr) with the log line, evaluation and checkpoints at their intervals.
+Data parallelism, ZeRO and the optimizer are applied in ``parallelize.py`` (its docstring gives the order of
+every kind of parallelism).
 """
 
 from __future__ import annotations

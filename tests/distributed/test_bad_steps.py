@@ -64,6 +64,9 @@ def bad_step_runs(rank: int, world_size: int) -> dict[str, dict]:
     runs["nan_grad_zero1"] = _run(rank, world_size, ["--zero-stage", "1", "--inject-fault", "nan_grad@2:0"])
     runs["rerun"] = _run(rank, world_size, ["--rerun-mode", "validate_results", "--inject-fault", "nan_loss@2"])
     runs["spike"] = _run(rank, world_size, ["--rerun-mode", "validate_results", "--inject-fault", "loss_spike@3"])
+    # 2 pipeline stages: only the last knows the loss; the first learns the verdict from the norm's reduction.
+    runs["spike_pp2"] = _run(rank, world_size, ["--pipeline-model-parallel-size", "2", "--rerun-mode",
+                                                 "validate_results", "--inject-fault", "loss_spike@3"])
     return runs
 
 
@@ -81,6 +84,7 @@ def test_bad_steps_are_skipped_on_every_rank_and_leave_the_weights_of_a_run_with
                                                                  "the run without batch 2"
         assert torch.equal(ranks[0][name]["params"]["embedding.word_embeddings.weight"],
                            ranks[1][name]["params"]["embedding.word_embeddings.weight"])
+    assert [runs["spike_pp2"]["bad_iterations"] for runs in ranks] == [[3], [3]]
     zero1 = [runs["nan_grad_zero1"] for runs in ranks]
     assert [run["bad_iterations"] for run in zero1] == [[2], [2]]
     for param, value in zero1[0]["params"].items():
