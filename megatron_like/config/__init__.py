@@ -11,7 +11,7 @@ One module per job; each group lives in the module named after its attribute of 
 (``config.model`` is a ``ModelConfig`` from ``model.py``):
 
 - ``model.py``, ``parallel.py``, ``optimizer.py``, ``precision.py``, ``data.py``, ``training.py``,
-  ``checkpoint.py``, ``logging.py``: the groups, each with the rules it can check alone;
+  ``checkpoint.py``, ``logging.py``, ``resilience.py``: the groups, each with the rules it can check alone;
 - ``config.py``: ``Config``, the groups composed, its derived sizes and the rules that span groups;
 - ``cli.py``: the flags generated from the fields, parsing, one-line errors and no-effect warnings;
 - ``errors.py``: ``ConfigError`` and ``flag_name``.
@@ -38,6 +38,7 @@ from megatron_like.config.model import ModelConfig, parse_moe_layer_freq
 from megatron_like.config.optimizer import OptimizerConfig
 from megatron_like.config.parallel import ParallelConfig
 from megatron_like.config.precision import PrecisionConfig
+from megatron_like.config.resilience import ResilienceConfig
 from megatron_like.config.training import TrainingConfig
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "ParallelConfig",
     "PrecisionConfig",
     "QuietArgumentParser",
+    "ResilienceConfig",
     "TrainingConfig",
     "add_group_flags",
     "build_parser",

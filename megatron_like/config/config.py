@@ -17,6 +17,7 @@ from megatron_like.config.model import ModelConfig
 from megatron_like.config.optimizer import OptimizerConfig
 from megatron_like.config.parallel import ParallelConfig
 from megatron_like.config.precision import PrecisionConfig
+from megatron_like.config.resilience import ResilienceConfig
 from megatron_like.config.training import TrainingConfig
 
 
@@ -32,6 +33,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     world_size: int = 1
     """Number of processes, taken from the launcher (WORLD_SIZE)."""
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated
 
-from megatron_like.config.fields import NON_NEGATIVE, POSITIVE, REPEATABLE, Range
+from megatron_like.config.fields import NON_NEGATIVE, POSITIVE, Range
 
 
 @dataclass
@@ -20,13 +20,6 @@ class TrainingConfig:
     """Optimizer steps to run."""
     seed: Annotated[int, Range(0, 2**32 - 1)] = 1234
     """Seed of weights, dropout and data order; runs with the same seed are identical."""
-    inject_fault: Annotated[list[str], REPEATABLE] = field(default_factory=list)
-    """A test tool: inject a fault KIND@ITER[:RANK] (repeatable; kinds in megatron_like/training/fault_injection.py,
-    e.g. dead@3:1 kills rank 1 at iteration 3). Never for production runs."""
 
     def validate(self) -> None:
-        """Each field's range is declared on it (fields.py); each --inject-fault must parse."""
-        from megatron_like.training.fault_injection import parse_fault
-
-        for text in self.inject_fault:
-            parse_fault(text)
+        """Nothing between fields: each field's range is declared on it (fields.py)."""

@@ -14,7 +14,9 @@ One step (:meth:`DistributedOptimizer.step`), after ``DataParallel.finish_grad_s
 
 1. fp16: unscale the fp32 gradient shards by ``1 / loss_scale``; any inf/nan on any rank skips the step
    and the loss scaler backs off (see loss_scaler.py);
-2. global gradient norm over the whole world, each parameter counted once (clip_grads.py), and clipping;
+2. global gradient norm over the whole world, each parameter counted once (clip_grads.py), and clipping; the
+   same reductions agree on whether any rank found the step bad (a NaN loss or gradient, a loss spike:
+   training/bad_steps.py), and a bad step stops here, applying nothing;
 3. AdamW on the master shards: ``torch.optim.AdamW(fused=True)``, or the C++ ``CPUAdam`` with offload,
    which in the same pass writes the new bf16/fp16 values into the param shard;
 4. master -> param shard (cast) where the two differ; stage 1/2 all-gather the param shards (with
@@ -44,6 +46,9 @@ class StepResult:
     """False when fp16 gradients overflowed and the update was skipped."""
     grad_norm: float | None
     """Global gradient norm before clipping (None for a skipped step)."""
+    bad: bool = False
+    """Some rank found the step bad (its loss suspicious, or a non-finite gradient with ``check_finite``): nothing
+    was applied, as for an fp16 overflow (training/bad_steps.py)."""
 
 
 def _needs_host_copy(grad_shard: torch.Tensor, master_device: torch.device) -> bool:
@@ -128,19 +133,28 @@ class DistributedOptimizer:
         return loss * self.scaler.scale if self.scaler is not None else loss
 
     # ---------------------------------------------------------------- the step
-    def _unscale_and_check(self) -> bool:
-        """Divide the gradient shards by the loss scale; True if any rank found an inf or nan."""
+    def _unscale_and_check(self, suspicious: bool = False) -> tuple[bool, bool]:
+        """Divide the gradient shards by the loss scale; return (any rank found an inf or nan, any rank was
+        ``suspicious`` of its loss), agreed in the same reductions."""
         grads = [b.grad_shard for b in self.buckets]
         torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.tensor(True)
-        found_inf = (~finite).float().reshape(1).to(self.ps.device)
+        found = torch.stack([(~finite).float().reshape(()).to(self.ps.device),
+                             torch.tensor(float(suspicious), device=self.ps.device)])
         # Over the whole world (dp x cp, then tp x pp): shards and experts differ across dp and tp ranks.
-        comm.all_reduce(found_inf, self.ps.dp_cp_group, op="max")
-        comm.all_reduce(found_inf, self.ps.model_parallel_group, op="max")
-        return bool(found_inf.item() > 0)
+        comm.all_reduce(found, self.ps.dp_cp_group, op="max")
+        comm.all_reduce(found, self.ps.model_parallel_group, op="max")
+        found_inf, bad = found.tolist()
+        return found_inf > 0, bad > 0
 
     def grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient (each parameter once, every stage and shard).
+        """L2 norm of the whole model's gradient (each parameter once, every stage and shard)."""
+        return self._norm_and_verdict(suspicious=False, check_finite=False)[0]
+
+    def _norm_and_verdict(self, suspicious: bool, check_finite: bool) -> tuple[float, bool]:
+        """The global gradient norm, and whether any rank found the step bad: ``suspicious`` of its loss, or (with
+        ``check_finite``) holding a non-finite gradient. The verdict rides on the norm's own reductions, plus one of
+        a flag over dp without ZeRO, where the norm needs none but a rank's gradient may go bad after its reduction.
 
         Dense parameters: ZeRO shards are distinct over dp, tp slices over tp, stages over pp. Expert parameters
         (MoE, docs/moe.md): slices distinct over the ``etp x ep`` ranks of a stage, ZeRO shards over expert-dp;
@@ -152,30 +166,52 @@ class DistributedOptimizer:
             return squares.reshape(1).to(device=self.ps.device, dtype=torch.float32)
 
         squares, expert_squares = sum_of_squares(False), sum_of_squares(True)
+        flag = torch.tensor([float(suspicious)], device=self.ps.device)
+        if check_finite:  # a NaN or Inf anywhere makes the sums non-finite; the segments the norm leaves out count too
+            local = squares + expert_squares
+            uncounted = [s.grad for s in self.segments if not s.counted]
+            if uncounted:  # replicas of tp rank 0's params (small), the last stage's tied-embedding copy
+                local = local + torch.stack(torch._foreach_norm(uncounted)).sum().to(local.device)
+            flag += (~torch.isfinite(local)).float()
+        packed = torch.cat([squares, flag])  # [sum of squares, ranks that found the step bad]
         if self.zero:
-            comm.all_reduce(squares, self.ps.dp_cp_group)
+            comm.all_reduce(packed, self.ps.dp_cp_group)
+        elif check_finite and self.ps.dp_cp_size > 1:
+            verdict = packed[1:].clone()
+            comm.all_reduce(verdict, self.ps.dp_cp_group, op="max")
+            packed[1:] = verdict
         if any(bucket.is_expert for bucket in self.buckets):  # the same on every rank of a pipeline stage
             if self.zero:
                 comm.all_reduce(expert_squares, self.ps.expert_dp_group)
             comm.all_reduce(expert_squares, self.ps.expert_tp_ep_group)
-            squares += expert_squares if self.ps.tp_rank == 0 else 0.0
-        comm.all_reduce(squares, self.ps.model_parallel_group)
-        return float(squares.sqrt())
+            packed[:1] += expert_squares if self.ps.tp_rank == 0 else 0.0
+        comm.all_reduce(packed, self.ps.model_parallel_group)
+        norm, bad = torch.cat([packed[:1].sqrt(), packed[1:]]).tolist()  # the norm in fp32, as it always was
+        return norm, bad > 0
 
     @torch.no_grad()
-    def step(self) -> StepResult:
-        """Unscale, check, clip and apply AdamW to this rank's shards, then refresh the model params."""
+    def step(self, suspicious: bool = False, check_finite: bool = False) -> StepResult:
+        """Unscale, check, clip and apply AdamW to this rank's shards, then refresh the model params.
+
+        ``suspicious``: this rank judged the step's loss bad; ``check_finite``: a non-finite gradient on any rank
+        makes the step bad too (--check-for-nan-in-loss-and-grad). A step some rank finds bad applies nothing.
+        """
         if self.scaler is not None:
-            found_inf = self._unscale_and_check()
+            found_inf, bad = self._unscale_and_check(suspicious)
+            if bad and not found_inf:  # a bad loss is no overflow: the loss scale stays
+                return StepResult(successful=False, grad_norm=None, bad=True)
             self.scaler.update(found_inf)
             if found_inf:
                 return StepResult(successful=False, grad_norm=None)
+            suspicious = False
         # The norm, clipping and AdamW read master_grads: with offload on a GPU these are host copies of
         # the device shards, so refresh them first (a blocking device-to-host copy).
         for bucket, grad in zip(self.buckets, self.master_grads):
             if grad is not bucket.grad_shard:
                 grad.copy_(bucket.grad_shard)
-        norm = self.grad_norm()
+        norm, bad = self._norm_and_verdict(suspicious, check_finite)
+        if bad:
+            return StepResult(successful=False, grad_norm=norm, bad=True)
         if self.config.clip_grad > 0 and math.isfinite(norm):
             coefficient = self.config.clip_grad / (norm + 1e-6)
             if coefficient < 1.0:

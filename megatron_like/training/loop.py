@@ -2,9 +2,10 @@
 
 Order of one run: (flag and path checks) -> process groups -> the lock of ``--save`` -> seeds -> model
 chunks -> optimizer and schedule -> (validate the checkpoint on every rank, resume) ->
-data iterators -> steps (forward/backward schedule, gradient reductions, clipping, AdamW, lr) with the
-log line, evaluation and checkpoints at their intervals. Data parallelism, ZeRO and the optimizer are
-applied in ``parallelize.py`` (its docstring gives the order of every kind of parallelism).
+data iterators -> steps (forward/backward schedule, gradient reductions, every rank's bad-step verdict
+(``bad_steps.py``), clipping, AdamW, lr) with the log line, evaluation and checkpoints at their intervals.
+Data parallelism, ZeRO and the optimizer are applied in ``parallelize.py`` (its docstring gives the order of
+every kind of parallelism).
 """
 
 from __future__ import annotations
@@ -25,14 +26,22 @@ from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
 from megatron_like.model import chunk_layers
 from megatron_like.model.moe import reduce_aux_losses, reset_aux_losses, set_aux_loss_backward_scale
-from megatron_like.model.moe.expert_bias import update_expert_biases
+from megatron_like.model.moe.expert_bias import routers_with_expert_bias, update_expert_biases
 from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
 from megatron_like.tensor_parallel import deferred_init, seed_everything
+from megatron_like.training.bad_steps import BadStepGuard
 from megatron_like.training.checkpoint_validation import validate_checkpoint
 from megatron_like.training.checkpointing import latest_iteration, load_checkpoint, save_checkpoint
-from megatron_like.training.fault_injection import install_faults, parse_fault, step_faults
+from megatron_like.training.fault_injection import (
+    SLOW_SECONDS,
+    SPIKE_FACTOR,
+    install_faults,
+    parse_fault,
+    should_inject,
+    step_faults,
+)
 from megatron_like.training.job_lock import hold_checkpoint_directory
 from megatron_like.training.local_checkpoint import LocalCheckpoints, restore_local_checkpoint
 from megatron_like.training.logging import TrainingLogger
@@ -42,6 +51,7 @@ from megatron_like.training.parallelize import check_training_flags, parallelize
 from megatron_like.training.preflight import check_run_paths
 from megatron_like.training.signals import SAVE_FAILED, ExitConditions, saving
 from megatron_like.training.signals import beat as watchdog_beat
+from megatron_like.training.stragglers import StragglerReport
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[Config, ParallelState, tuple[int, int, int]], tuple[Any, Any, Any]]
@@ -61,7 +71,11 @@ class TrainingResult:
     loss_scales: list[float] = field(default_factory=list)
     """Loss scale used by each iteration (1.0 without --fp16)."""
     skipped_iterations: int = 0
-    """Iterations whose update was skipped (fp16 gradient overflow)."""
+    """Iterations whose update was skipped (fp16 gradient overflow, a bad step)."""
+    bad_iterations: list[int] = field(default_factory=list)
+    """Iterations skipped as bad: a NaN/Inf loss or gradient, a loss spike (training/bad_steps.py)."""
+    exit_status: int = 0
+    """The status the run exits with: 0, or a bad step's (training/bad_steps.py; pretrain raises SystemExit)."""
     nan_iterations: int = 0
     """Iterations whose loss was inf or nan."""
     optimizer: DistributedOptimizer | None = None
@@ -85,6 +99,8 @@ def check_supported(config: Config) -> None:
     if config.checkpoint.local_checkpoint_interval and config.parallel.zero_stage == 3:
         raise ConfigError("--local-checkpoint-interval keeps each rank's parameters as they are between steps, which "
                           "ZeRO-3 does not hold whole; use --zero-stage 2 or less, or drop the flag")
+    for text in config.resilience.inject_fault:
+        parse_fault(text)
 
 
 def print_rank(ps: ParallelState, message: str, rank: int = 0) -> None:
@@ -147,51 +163,71 @@ class StepOutput:
     grad_norm: float | None
     """Global gradient norm before clipping; None when the step was skipped."""
     skipped: bool
-    """The fp16 gradients overflowed: no update, the loss scale backed off."""
+    """No update: the fp16 gradients overflowed (the loss scale backed off) or the step was bad."""
     loss_scale: float
     """The loss scale this step's backward used."""
     moe_losses: dict[str, float] = field(default_factory=dict)
     """MoE router losses: mean over MoE layers, micro batches and dp ranks (every rank knows them)."""
     expert_biases: dict[int, torch.Tensor] = field(default_factory=dict)
     """This rank's MoE layers' expert biases after this step's update (empty without expert bias)."""
+    bad: bool = False
+    """Some rank found the step bad (training/bad_steps.py): nothing was applied."""
 
 
-def _with_scaled_loss(forward_step_func: Callable, optimizer: DistributedOptimizer) -> Callable:
-    """``forward_step_func`` whose loss comes out multiplied by the fp16 loss scale (stats unchanged)."""
+def _with_mapped_loss(forward_step_func: Callable, mapping: Callable[[torch.Tensor, dict], tuple]) -> Callable:
+    """``forward_step_func`` whose loss function's ``(loss, stats)`` come out through ``mapping``."""
 
     def forward_step(data_iterator: Any, chunk: nn.Module) -> tuple[torch.Tensor, Callable]:
         output, loss_func = forward_step_func(data_iterator, chunk)
-
-        def scaled_loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            loss, stats = loss_func(output_tensor)
-            return optimizer.scale_loss(loss), stats
-
-        return output, scaled_loss_func
+        return output, lambda output_tensor: mapping(*loss_func(output_tensor))
 
     return forward_step
 
 
+def _nan_loss(loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
+    """Fault injection's bad batch: the loss and every statistic NaN (the backward spreads it to the gradients)."""
+    return loss * float("nan"), {name: value * float("nan") for name, value in stats.items()}
+
+
+def _spiked_loss(loss: torch.Tensor, stats: dict) -> tuple[torch.Tensor, dict]:
+    """Fault injection's loss spike: the loss and every statistic SPIKE_FACTOR x larger."""
+    return loss * SPIKE_FACTOR, {name: value * SPIKE_FACTOR for name, value in stats.items()}
+
+
 def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
-               model: list[nn.Module], optimizer: DistributedOptimizer,
-               scheduler: LearningRateScheduler) -> StepOutput:
-    """One optimizer step over a global batch.
+               model: list[nn.Module], optimizer: DistributedOptimizer, scheduler: LearningRateScheduler, *,
+               iteration: int = 0, guard: BadStepGuard | None = None,
+               stragglers: StragglerReport | None = None) -> StepOutput:
+    """One optimizer step over a global batch (``iteration``, 1-based: for --inject-fault).
 
     Main grads are zeroed, the schedule runs every micro batch (the backward hooks accumulate into the
     fp32 buffers and reduce buckets), ``finish_grad_sync`` completes the reductions, and the optimizer
-    unscales, checks, clips and updates. The lr schedule advances only when the update happened.
+    unscales, checks, clips and updates. The lr schedule advances only when the update happened. ``guard``
+    judges the step (a bad one applies nothing: training/bad_steps.py); ``stragglers`` times its compute.
     """
     data_parallel = optimizer.data_parallel
     data_parallel.start_grad_sync(config.num_microbatches)
     loss_scale = optimizer.loss_scale
+    if should_inject("nan_loss", iteration, ps.rank) or should_inject("transient", iteration, ps.rank):
+        forward_step_func = _with_mapped_loss(forward_step_func, _nan_loss)
+    if should_inject("loss_spike", iteration, ps.rank):
+        forward_step_func = _with_mapped_loss(forward_step_func, _spiked_loss)
     if optimizer.scaler is not None:
-        forward_step_func = _with_scaled_loss(forward_step_func, optimizer)
+        forward_step_func = _with_mapped_loss(forward_step_func,
+                                              lambda loss, stats: (optimizer.scale_loss(loss), stats))
     schedule = get_forward_backward_func(ps.pp_size, config.virtual_pipeline_size,
                                          config.parallel.pipeline_schedule)
     # MoE routers' losses get the gradient they would have as part of each micro batch's loss (aux_losses.py).
     reset_aux_losses()
     set_aux_loss_backward_scale(loss_scale / config.num_microbatches)
+    if stragglers is not None:
+        stragglers.start()
+    if should_inject("slow", iteration, ps.rank):
+        time.sleep(SLOW_SECONDS)
     stats = schedule(forward_step_func, data_iterator, model, config.num_microbatches,
                      seq_length=config.model.seq_length, micro_batch_size=config.training.micro_batch_size)
+    if stragglers is not None:
+        stragglers.stop()
     moe_losses = reduce_aux_losses(moe_loss_names(config), config.model.moe_layers, config.num_microbatches, ps)
     data_parallel.finish_grad_sync()
     if config.checkpoint.async_save:
@@ -200,15 +236,24 @@ def train_step(config: Config, ps: ParallelState, forward_step_func: Callable, d
         from megatron_like.training.dist_checkpointing import wait_for_async_staging
 
         wait_for_async_staging()
-    result = optimizer.step()
+    if should_inject("nan_grad", iteration, ps.rank):  # after the reduction: this rank's gradients alone
+        for bucket in optimizer.buckets:
+            bucket.grad_shard.fill_(float("nan"))
+    check = guard is not None and guard.check_nan
+    result = optimizer.step(suspicious=guard is not None and guard.suspicious(stats), check_finite=check)
     if result.successful:
         scheduler.step()
-    # Auxiliary-loss-free balancing: from the tokens routed in this step, on every rank alike (expert_bias.py).
-    expert_biases = update_expert_biases(model, ps)
+    expert_biases = {}
+    if result.bad:  # a bad step moves nothing: its routed-token counts go too (a rerun counts afresh)
+        for router in routers_with_expert_bias(model):
+            router.tokens_per_expert.zero_()
+    else:  # auxiliary-loss-free balancing: from the tokens routed in this step, on every rank alike (expert_bias.py)
+        expert_biases = update_expert_biases(model, ps)
     losses = average_losses(stats, ps)
     if losses:  # the log line shows them after the LM loss
         losses.update(moe_losses)
-    return StepOutput(losses, result.grad_norm, not result.successful, loss_scale, moe_losses, expert_biases)
+    return StepOutput(losses, result.grad_norm, not result.successful, loss_scale, moe_losses, expert_biases,
+                      bad=result.bad)
 
 
 def forward_only_stats(config: Config, ps: ParallelState, forward_step_func: Callable, data_iterator: Any,
@@ -283,9 +328,9 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
              padded_vocab_size: int | None = None) -> TrainingResult:
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
-    install_faults([parse_fault(text) for text in config.training.inject_fault])
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
+    install_faults(config.resilience.inject_fault)  # a test tool; empty (off) unless --inject-fault is given
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
     model = build_model_chunks(config, ps, model_provider)
     if ps.dp_cp_rank == 0:  # one line per (tensor, pipeline) rank: cp ranks hold the same parameters
@@ -344,12 +389,23 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     # Preemption signals, time limit, and a watchdog against hung collectives.
     exit_conditions = ExitConditions(config.checkpoint, ps.device, config.parallel.distributed_timeout_minutes)
     interval_start, interval_iters = time.perf_counter(), 0
+    # Bad steps caught (and rerun with --rerun-mode validate_results), slow ranks named: docs/checkpoints.md.
+    guard = BadStepGuard(config, ps, train_iter)
+    resilience = config.resilience
+    stragglers = StragglerReport(ps, resilience.straggler_threshold) if resilience.log_straggler else None
     for chunk in model:
         chunk.train()
     while iteration < t.train_iters:
         step_faults(iteration + 1, ps.rank)
+
+        def one_step(data: Any, number: int = iteration + 1) -> StepOutput:
+            return train_step(config, ps, forward_step_func, data, model, optimizer, scheduler, iteration=number,
+                              guard=guard, stragglers=stragglers)
+
         with logger.watch_step(iteration + 1, model, optimizer):  # measures memory on CPU (logging.py)
-            step = train_step(config, ps, forward_step_func, train_iter, model, optimizer, scheduler)
+            step, result.exit_status = guard.run(one_step, iteration + 1, consumed)
+        if step.bad:
+            result.bad_iterations.append(iteration + 1)
         losses, grad_norm = step.losses, step.grad_norm
         got_nan = any(not math.isfinite(v) for v in losses.values())
         result.loss_scales.append(step.loss_scale)
@@ -380,6 +436,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
             )
             interval_start, interval_iters = time.perf_counter(), 0
             interval_skipped = interval_nan = 0
+            if stragglers is not None:
+                stragglers.report(iteration)
         if valid_iter is not None and log.eval_iters > 0 and iteration % log.eval_interval == 0:
             valid = evaluate(config, ps, forward_step_func, valid_iter, model, log.eval_iters)
             if valid:
@@ -390,6 +448,8 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
         exit_reason = exit_conditions.check(iteration, _background_save_failed(config))
         if exit_reason == SAVE_FAILED:
             _stop_on_failed_background_save(ps)
+        if result.exit_status:
+            exit_reason = f"bad steps: exit status {result.exit_status}, docs/checkpoints.md"
         should_exit = exit_reason is not None
         if ckpt.save and ((ckpt.save_interval and iteration % ckpt.save_interval == 0) or should_exit):
             save_and_report(config, ps, iteration, model, optimizer, scheduler, consumed)
@@ -417,4 +477,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     exit_conditions.close()
     logger.close()
     lock.release()
+    if result.exit_status:  # for the launcher (docs/checkpoints.md "Preemption and faults"), as Megatron-LM exits
+        comm.shutdown()
+        raise SystemExit(result.exit_status)
     return result

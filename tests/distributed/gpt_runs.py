@@ -90,6 +90,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "loss_scales": result.loss_scales,
         "skipped_iterations": result.skipped_iterations,
         "nan_iterations": result.nan_iterations,
+        "bad_iterations": result.bad_iterations,
         "moe_losses": result.moe_losses,
         "expert_biases": result.expert_biases,
         "loss_stats": result.loss_stats,
