@@ -93,8 +93,8 @@ def async_save_then_resume(rank: int, world_size: int, root: str) -> dict:
     step, wait_staging, wait_save = (DistributedOptimizer.step, dist_checkpointing.wait_for_async_staging,
                                      dist_checkpointing.wait_for_async_save)
 
-    def step_then_release(self: DistributedOptimizer):  # noqa: ANN202 - the optimizer's own signature
-        result = step(self)
+    def step_then_release(self: DistributedOptimizer, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - step's own
+        result = step(self, *args, **kwargs)
         release("copy", "write")  # a copy nothing waited for now sees the step's changes
         return result
 
