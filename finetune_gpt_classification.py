@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +30,12 @@ import torch.nn.functional as F
 from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
 from megatron_like.data.classification_dataset import EpochDataset, SentencePairDataset, read_sentence_pairs
-from megatron_like.model.classification import GPTClassificationModel, load_pretrained_gpt
+from megatron_like.model.classification import GPTClassificationModel, load_pretrained_gpt, pretrained_shape_mismatch
+from megatron_like.model.state import TRACKER_FILE, CheckpointLoadError, read_saved_config
 from megatron_like.parallel_state import ParallelState
 from megatron_like.training import pretrain
 from megatron_like.training.checkpoint_validation import exit_on_checkpoint_error
+from megatron_like.training.checkpointing import CheckpointError
 from megatron_like.training.loop import TrainingResult, check_supported
 from tasks.common import parse_task_args, print_last_rank, run_or_exit
 from tasks.evaluation import classification_counts, evaluate_dataset
@@ -67,6 +70,8 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, ClassificationC
     if config.parallel.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size {config.parallel.context_parallel_size}: the classifier reads the "
                           "last token of whole sequences; fine-tune without context parallelism")
+    if task.pretrained_checkpoint:
+        check_pretrained_checkpoint(task.pretrained_checkpoint, config)
     config.data.data_path = [task.train_data]
     if task.epochs is not None:
         if task.epochs <= 0:
@@ -79,6 +84,22 @@ def build_config(argv: list[str] | None = None) -> tuple[Config, ClassificationC
     config.validate()
     check_supported(config)
     return config, task
+
+
+def check_pretrained_checkpoint(root: str, config: Config) -> None:
+    """Raise a one-line ConfigError, before any work, unless ``root`` is a GPT checkpoint whose saved model shape
+    is ``config.model``'s (its weights are read later, by every pipeline stage when it builds its chunk)."""
+    fix = "pass the directory pretrain_gpt.py --save wrote"
+    if not os.path.isfile(os.path.join(root, TRACKER_FILE)):
+        what = "is missing" if not os.path.exists(root) else f"holds no {TRACKER_FILE}"
+        raise ConfigError(f"--pretrained-checkpoint {root} {what}; {fix}")
+    try:
+        saved = read_saved_config(root)
+    except (CheckpointLoadError, CheckpointError) as error:
+        raise ConfigError(f"--pretrained-checkpoint {root} cannot be read: {error}; {fix}") from None
+    problem = pretrained_shape_mismatch(saved.model, config.model, root)
+    if problem:
+        raise ConfigError(problem)
 
 
 def model_provider(config: Config, ps: ParallelState, *, layers: range, pre_process: bool, post_process: bool,

@@ -95,6 +95,21 @@ class GPTClassificationModel(nn.Module):
         return F.linear(pooled, self.head_weight)  # (b, num_classes)
 
 
+PRETRAINED_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "head_dim", "qk_layernorm", "ffn_size",
+                    "max_positions")
+"""ModelConfig fields a pretrained GPT checkpoint must share with the classification model that loads it."""
+
+
+def pretrained_shape_mismatch(saved: ModelConfig, model: ModelConfig, root: str) -> str | None:
+    """One line naming the first :data:`PRETRAINED_SHAPE` field where checkpoint ``root`` (saved with ``saved``)
+    differs from ``model``, with the fix; None when every field matches."""
+    for name in PRETRAINED_SHAPE:
+        if getattr(saved, name) != getattr(model, name):
+            return (f"pretrained checkpoint {root} has {name} {getattr(saved, name)}, this model "
+                    f"{getattr(model, name)}; pass the checkpoint's model flags")
+    return None
+
+
 @functools.lru_cache(maxsize=2)
 def _cached_full_state(root: str) -> tuple[object, dict[str, torch.Tensor]]:
     return load_full_state(root)
@@ -109,11 +124,9 @@ def load_pretrained_gpt(chunk: GPTClassificationModel, root: str) -> list[str]:
     """
     saved, full = _cached_full_state(root)
     m = saved.model
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "head_dim", "qk_layernorm", "ffn_size",
-                 "max_positions"):
-        if getattr(m, name) != getattr(chunk.config, name):
-            raise ValueError(f"pretrained checkpoint {root} has {name} {getattr(m, name)}, this model "
-                             f"{getattr(chunk.config, name)}; pass the checkpoint's model flags")
+    problem = pretrained_shape_mismatch(m, chunk.config, root)
+    if problem:
+        raise ValueError(problem)
     ps = chunk.ps
     layers = range(chunk.layers[0].layer, chunk.layers[-1].layer + 1) if len(chunk.layers) else range(0)
     body = {k: v for k, v in full.items() if not k.startswith("output_layer.")}

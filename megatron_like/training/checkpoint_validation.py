@@ -185,11 +185,15 @@ def validate_checkpoint(root: str, config: Config, ps: ParallelState, model: lis
 
 @contextlib.contextmanager
 def exit_on_checkpoint_error() -> Iterator[None]:
-    """For entry points: a CheckpointError (agreed by every rank) prints ``error: ...`` on each rank and
-    exits with status 1, after leaving the process group cleanly (no traceback)."""
+    """For entry points: a CheckpointError (agreed by every rank) or a CheckpointLoadError (a checkpoint
+    directory every rank reads the same way, e.g. a fine-tune's pretrained GPT lacking a shard) prints
+    ``error: ...`` on each rank and exits with status 1, after leaving the process group cleanly (no traceback)."""
+    # Imported here: megatron_like.model.state imports this package's checkpointing module.
+    from megatron_like.model.state import CheckpointLoadError
+
     try:
         yield
-    except CheckpointError as error:
+    except (CheckpointError, CheckpointLoadError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         comm.shutdown()
         raise SystemExit(1) from None

@@ -1,6 +1,7 @@
 """The seed workflows trained in parallel equal the single-process run (losses, grad norms, weights, metrics).
 
-One 4-process group runs, one after the other: ViT at tp=2 x pp=2 and at tp=2 + sequence parallel x dp=2,
+One 4-process group runs, one after the other: ViT at tp=2 x pp=2 (also with dropout on, where the tp ranks must
+still hold one model) and at tp=2 + sequence parallel x dp=2,
 GPT sequence classification at pp=2 x dp=2 with ZeRO-1 (``--use-distributed-optimizer``) and the lr scaled
 by the world size, and QAT GPT at tp=2 x pp=2 (compared code by code, see tests/distributed/qat_record.py).
 The references run in the test process.
@@ -78,6 +79,8 @@ def parallel_bundle(rank: int, world_size: int, data: dict[str, str]) -> dict:
     return {
         "vit-tp2-pp2": vit_run([TP, "2", PP, "2"], world_size),
         "vit-tp2-sp-dp2": vit_run([TP, "2", SP], world_size),
+        "vit-tp2-pp2-dropout": vit_run([TP, "2", PP, "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+                                       world_size),
         "cls-pp2-dp2-zero1": classification_run(
             classification_flags(data) + [PP, "2", "--use-distributed-optimizer", "--train-iters", "4", "--lr",
                                           "2.5e-4", "--scale-lr-by-world-size"], world_size),
@@ -128,9 +131,24 @@ def vit_reference() -> dict:
     return merge([vit_run([], 1)])
 
 
+def test_vit_tp_ranks_keep_one_model_with_dropout(parallel):
+    """Dropout on: no layout equals one process (head shards draw their masks per tp rank), but every replicated
+    parameter (class token, positions, patch projection, LayerNorms, row-parallel biases, head) must stay bitwise
+    the same on the tp ranks of a stage. Replicated activations drop the same elements on each tp rank (the
+    default generator, shared by the tp group); a hidden-dropout mask drawn per tp rank would feed the ranks
+    different residual streams, and their replicated weights would part after one step."""
+    run = parallel["vit-tp2-pp2-dropout"]
+    assert run["losses"] != parallel["vit-tp2-pp2"]["losses"]  # dropout was on
+    assert min(run["copies"].values()) == 2  # every parameter compared across the two tp ranks of its stage
+    assert not run["replica_mismatches"], run["replica_mismatches"]
+
+
 @pytest.mark.parametrize("name", ["vit-tp2-pp2", "vit-tp2-sp-dp2"])
 def test_vit_parallel_equals_single_process(parallel, name):
     reference = vit_reference()
+    # Clipping (--clip-grad 1.0) scales every compared step, so the global norm over tp x pp and the clip factor
+    # applied on every rank are part of what must equal one process.
+    assert min(reference["grad_norms"]) > 1.0, reference["grad_norms"]
     assert_same_training(reference, parallel[name])
     for metrics in parallel[name]["metrics"]:
         assert metrics["samples"] == reference["metrics"][0]["samples"] == 256
