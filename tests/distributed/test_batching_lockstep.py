@@ -1,8 +1,8 @@
-"""Continuous batching on 2 ranks at tp=2 and at pp=2 (``scheduler.py`` on rank 0, ``run_follower_loop`` on the
-other): sequences that join a running one get the single-process greedy tokens, an echoed prompt's
-log-probabilities equal a one-process full forward's (the pipeline's last stage computes them), and a fault of
-rank 1 alone in a step's checks is agreed by both ranks: every sequence then in flight ends with the same 500, and
-the next request runs normally (the ranks stayed in step)."""
+"""Continuous batching on 2 ranks at tp=2, pp=2 and ep=2 (an MoE model) (``scheduler.py`` on rank 0,
+``run_follower_loop`` on the other): sequences that join a running one get the single-process greedy tokens, an
+echoed prompt's log-probabilities equal a one-process full forward's (the pipeline's last stage computes them), and
+a fault of rank 1 alone in a step's checks is agreed by both ranks: every sequence then in flight ends with the
+same 500, and the next request runs normally (the ranks stayed in step)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from tests.distributed.harness import run_distributed
 from tests.e2e.test_server_fuzz import tiny_checkpoint
 
 
-def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int) -> dict | None:
+def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int, ep: int) -> dict | None:
     torch.set_num_threads(1)
-    ps = ParallelState.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    ps = ParallelState.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep))
     loaded = load_inference_model(checkpoint, ps)
     engine = BatchEngine(loaded, 4)
     real_check, calls = engine.check, itertools.count()
@@ -56,10 +57,13 @@ def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int) -> dic
             "scores": scored.prompt_scores.cpu()}
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_batched_steps_stay_in_lockstep_and_a_fault_of_one_rank_ends_the_batch_on_all(tmp_path, tp, pp):
-    checkpoint = tiny_checkpoint(str(tmp_path), layers=2)
-    result, follower = run_distributed(worker, 2, checkpoint, tp, pp, timeout=120)
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_batched_steps_stay_in_lockstep_and_a_fault_of_one_rank_ends_the_batch_on_all(tmp_path, tp, pp, ep):
+    checkpoint = tiny_checkpoint(str(tmp_path), layers=2, flags=MOE if ep > 1 else [])
+    result, follower = run_distributed(worker, 2, checkpoint, tp, pp, ep, timeout=120)
     assert follower is None
     loaded = load_inference_model(checkpoint, ParallelState.single_process(torch.device("cpu")))
 

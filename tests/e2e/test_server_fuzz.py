@@ -29,9 +29,9 @@ FLAGS = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2
          "--ckpt-format", "torch"]
 
 
-def tiny_checkpoint(root: str, layers: int = 1) -> str:
-    """A model of ``layers`` layers saved at iteration 0 in one process (no training needed to serve it)."""
-    config = parse_config(FLAGS + ["--num-layers", str(layers), "--save", root], world_size=1)
+def tiny_checkpoint(root: str, layers: int = 1, flags: list[str] | None = None) -> str:
+    """A model of ``layers`` layers (and ``flags``) saved at iteration 0 in one process (no training needed)."""
+    config = parse_config(FLAGS + ["--num-layers", str(layers), *(flags or []), "--save", root], world_size=1)
     ps = ParallelState.single_process(torch.device("cpu"))
     model = GPTModel(config.model, ps, vocab_size=config.padded_vocab_size(VOCAB), seed=3)
     save_checkpoint(root, 0, config, ps, [model], None, None, 0)
