@@ -95,16 +95,21 @@ def reference(case: str, cp: int) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def initialize_cp(mode: str, world_size: int) -> ParallelState:
+    """This rank's parallel state with every rank in one context-parallel group of comm type ``mode``."""
+    hierarchy = HIERARCHY[world_size] if mode == "a2a+p2p" else None
+    parallel = ParallelConfig(context_parallel_size=world_size, cp_comm_type=mode,
+                              hierarchical_context_parallel_sizes=hierarchy)
+    return ParallelState.initialize(parallel, world_size)
+
+
 def cp_attention_on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Tensor]]:
     """Every (mode, case) on this rank: its output and gradients, local ``[b, h, s / cp, d]``."""
     import torch.distributed as dist
 
     results = {}
     for mode in MODES[world_size]:
-        hierarchy = HIERARCHY[world_size] if mode == "a2a+p2p" else None
-        parallel = ParallelConfig(context_parallel_size=world_size, cp_comm_type=mode,
-                                  hierarchical_context_parallel_sizes=hierarchy)
-        ps = ParallelState.initialize(parallel, world_size)
+        ps = initialize_cp(mode, world_size)
         assert dist.is_initialized() and ps.cp_rank == rank
         for case, (hq, hkv, window_left, causal, masked_rank, documents) in CASES.items():
             q, k, v, grad_out = (split_for_context_parallel(t, world_size, rank, dim=2)
@@ -162,10 +167,7 @@ def dropout_checks_on_ranks(rank: int, world_size: int) -> dict[str, list[float]
 
     results = {}
     for mode in MODES[world_size]:
-        hierarchy = HIERARCHY[world_size] if mode == "a2a+p2p" else None
-        parallel = ParallelConfig(context_parallel_size=world_size, cp_comm_type=mode,
-                                  hierarchical_context_parallel_sizes=hierarchy)
-        ps = ParallelState.initialize(parallel, world_size)
+        ps = initialize_cp(mode, world_size)
         q, k, v, grad_out = (split_for_context_parallel(t, world_size, rank, dim=2) for t in inputs(8, 4, None, 2))
         generator = torch.Generator().manual_seed(7)
         directions = [torch.randn(t.shape, generator=generator, dtype=torch.float64) for t in (q, k, v)]

@@ -128,7 +128,8 @@ def test_mla_equals_the_equations_in_float64(name: str) -> None:
 
 def test_mla_equals_transformers_deepseek_v3_attention() -> None:
     """The same weights in transformers' DeepseekV3Attention (half-split RoPE: ``rope_interleave=False``)."""
-    deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
     config = CASES["q-latent-yarn"]
     attention = module(config)
     hf_config = deepseek.DeepseekV3Config(
