@@ -214,7 +214,9 @@ def test_resume_is_bitwise_with_the_expert_bias(launched, tmp_path) -> None:
     from megatron_like.training.checkpointing import write_tracker
 
     straight = launched(RESUMED_LAYOUT)
-    assert any(bias.abs().sum() > 0 for bias in expert_biases(straight["states"][RESUME_FROM - 1]).values())
+    saved_biases = expert_biases(straight["states"][RESUME_FROM - 1])
+    assert len(saved_biases) == 2, f"the checkpoint holds the expert biases {sorted(saved_biases)}"
+    assert any(bias.abs().sum() > 0 for bias in saved_biases.values())  # a bias to restore
     write_tracker(straight["directory"], RESUME_FROM)  # it saved every iteration: resume from RESUME_FROM
     flags, nproc = next((flags, nproc) for name, flags, nproc in LAYOUTS if name == RESUMED_LAYOUT)
     resumed_directory = str(tmp_path)
