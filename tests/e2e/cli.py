@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,13 +57,15 @@ ISSUE_FLAGS = [
 ]
 
 
-def in_process_run(flags: list[str]) -> dict:
+def in_process_run(flags: list[str], on_chunk: Callable | None = None) -> dict:
     """``train_gpt``'s result for the one-process run of ``flags``, trained in this process: the code and
     flags ``torchrun --nproc_per_node 1`` would run, without starting a launcher and a worker (~10 s each).
-    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change."""
+    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change;
+    ``on_chunk(chunk, ps)`` runs on the model chunk once built (``train_gpt``'s, e.g. to attach hooks)."""
     from tests.distributed.gpt_runs import train_gpt
 
-    return train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])
+    return train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"],
+                     on_chunk=on_chunk)
 
 
 def in_process_losses(flags: list[str]) -> dict[int, float]:

@@ -32,7 +32,13 @@ card's figures are cut to 0.1B: its non-embedding 29.9B is the 29.91B of the sam
 DEEPSEEK_V3_PARAMETERS = (671e9, 37e9)
 """DeepSeek-V3's published total and active parameters, its MTP module left out (the report: "671B total parameters
 with 37B activated for each token"; the MTP module is counted apart). Its shapes give 37.55B active (both vocabulary
-matrices counted, as in the 671B): the report's 37B is that figure cut to whole billions."""
+matrices counted, as in the 671B), and the check is the report's rounding: not within 0.5% of the published figure
+under its own definition. DeepSeek's README_WEIGHTS.md (github.com/deepseek-ai/DeepSeek-V3) defines it: main model
+"Activation parameters: 36.7B (including 0.9B for Embedding and 0.9B for the output Head)", the MTP module apart
+("11.5B unique parameters, excluding the shared 0.9B Embedding and 0.9B output Head"; "2.4B" activated including
+them). By that definition ours is 2.3% over 36.7B; no published definition accounts for the 0.85B (leaving out the
+input embedding, a lookup, would give 36.63B, but the card counts it). The MTP figures are ours without the depth's
+eh_proj (11.51B unique, 2.44B activated; the planner's 11.61B and 0.69B + 1.85B count it)."""
 MTP = re.compile(r"; MTP depths ([0-9.]+) B more \(active ([0-9.]+) B\)")
 PARAMETERS = re.compile(r"^ > model parameters: ([0-9.]+) B", re.MULTILINE)
 ACTIVE = re.compile(r"^ > model parameters: ([0-9.]+) B \(active per token: ([0-9.]+) B\)", re.MULTILINE)
