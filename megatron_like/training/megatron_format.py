@@ -22,6 +22,7 @@ import os
 import typing
 from typing import Any
 
+import numpy as np
 import torch
 
 from megatron_like.config import Config, ModelConfig
@@ -70,25 +71,67 @@ class _MegatronEnum:
 
 _ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.ModelType",
           "megatron.core.transformer.enums.AttnMaskType", "megatron.core.enums.Fp8Recipe")
+_NUMPY = [np.ndarray, np.dtype, np.dtypes.UInt32DType, (np._core.multiarray._reconstruct,
+                                                        "numpy.core.multiarray._reconstruct"),
+          np._core.multiarray._reconstruct]
+"""What numpy's generator state in Megatron-LM's ``rng_state`` (``np.random.get_state()``: a ``uint32`` array)
+needs to unpickle: the array class, its dtype and numpy's array constructor (under numpy 1's module path too)."""
 
 
-def _safe_globals() -> list:
-    """What a Megatron-LM ``args`` needs allowed, less what the process allows already (torch's context manager
-    removes on exit what it was given: a global allowance, e.g. Megatron-core's, must survive our reads)."""
+def safe_globals() -> list:
+    """What Megatron-LM's ``args`` and ``rng_state`` need allowed in torch's weights-only unpickler, less what the
+    process allows already (torch's context manager removes on exit what it was given: a global allowance, e.g.
+    Megatron-core's, must survive our reads)."""
     present = torch.serialization.get_safe_globals()
-    return [g for g in [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS] if g not in present]
+    wanted = [argparse.Namespace] + [(_MegatronEnum, path) for path in _ENUMS] + _NUMPY
+    return [g for g in wanted if g not in present]
 
 
 def read_megatron_file(path: str, mmap: bool = False, verify: bool = True) -> dict[str, Any]:
-    """A Megatron-LM ``model_optim_rng.pt`` or ``common.pt`` (weights-only with ``Namespace``; ``mmap`` and
-    ``verify``, the CRC check: as ``read_checkpoint_file``)."""
-    with torch.serialization.safe_globals(_safe_globals()):
+    """A Megatron-LM ``model_optim_rng.pt`` or ``common.pt`` (weights-only with ``Namespace`` and numpy's generator
+    state; ``mmap`` and ``verify``, the CRC check: as ``read_checkpoint_file``)."""
+    with torch.serialization.safe_globals(safe_globals()):
         return read_checkpoint_file(path, mmap=mmap, verify=verify)
 
 
 def legacy_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
     """Megatron-LM's ``mp_rank_TT`` (pp 1) or ``mp_rank_TT_PPP``, plus ``_EEE`` under expert parallelism."""
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{ep_rank:03d}" if ep > 1 else "")
+
+
+# ---------------------------------------------------------------- RNG states
+
+
+def rng_object_key(tp_rank: int, pp_rank: int, tp: int, pp: int) -> str:
+    """The torch_dist key of the ``rng_state`` ShardedObject of rank (tp, pp): Megatron-LM's
+    ``training/checkpointing.py`` ``get_rng_state`` shards it over ``(pp, tp)`` (every dp rank a replica)."""
+    return f"rng_state/shard_{pp_rank}.{tp_rank}_{pp}.{tp}"
+
+
+def rng_to_megatron(ours: dict[str, Any]) -> dict[str, Any]:
+    """Megatron-LM's per-rank ``rng_state`` entry of ours (``checkpointing.rng_state``): python's, numpy's and
+    torch's generators, the tracker's streams and, from a CUDA run, the CUDA generator."""
+    state = {"random_rng_state": (3, tuple(ours["python"]), ours["python_pos"]),
+             "np_rng_state": ("MT19937", ours["numpy_keys"].numpy().astype(np.uint32), int(ours["numpy_pos"]), 0, 0.0),
+             "torch_rng_state": ours["torch"], "rng_tracker_states": dict(ours["tracker"])}
+    if "cuda" in ours:
+        state["cuda_rng_state"] = ours["cuda"]
+    return state
+
+
+def rng_from_megatron(state: dict[str, Any]) -> dict[str, Any]:
+    """Ours (``checkpointing.set_rng_state``'s input) of one Megatron-LM ``rng_state`` entry (inverse of
+    :func:`rng_to_megatron`; numpy's cached Gaussian is dropped, as ours never keeps one). Its tracker streams are
+    CUDA ones when it holds a CUDA generator state."""
+    _, python_keys, gauss_next = state["random_rng_state"]
+    _, numpy_keys, numpy_pos, *_ = state["np_rng_state"]
+    ours = {"python": list(python_keys), "python_pos": gauss_next,
+            "numpy_keys": torch.from_numpy(np.asarray(numpy_keys).astype(np.int64)), "numpy_pos": int(numpy_pos),
+            "torch": state["torch_rng_state"], "tracker": dict(state["rng_tracker_states"]),
+            "tracker_device": "cuda" if "cuda_rng_state" in state else "cpu"}
+    if "cuda_rng_state" in state:
+        ours["cuda"] = state["cuda_rng_state"]
+    return ours
 
 
 # ---------------------------------------------------------------- arguments
@@ -305,9 +348,11 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
 
 def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, torch.Tensor], padded_vocab: int, *,
                 tp: int, pp: int, ep: int, spec: str, experts: str, consumed_samples: int = 0,
-                extra: dict[str, Any] | None = None) -> None:
-    """Write Megatron-LM's legacy torch format (weights; no optimizer) at layout tp x pp x ep; ``extra``: further
-    entries of every file (``opt_param_scheduler``)."""
+                extra: dict[str, Any] | None = None, rng: dict[tuple[int, int], dict] | None = None,
+                optimizers: dict[tuple[int, int, int], dict] | None = None) -> None:
+    """Write Megatron-LM's legacy torch format at layout tp x pp x ep; ``extra``: further entries of every file
+    (``opt_param_scheduler``); ``rng``: Megatron-LM's ``rng_state`` entry of each (tp rank, pp rank);
+    ``optimizers``: the ``optimizer`` entry of each (tp, pp, ep) rank (:func:`legacy_optimizer_state`)."""
     args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch",
                          experts=experts, consumed_samples=consumed_samples)
     for pp_rank in range(pp):
@@ -317,9 +362,13 @@ def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, 
                                           ep_rank=ep_rank, spec=spec, experts=experts)
                 path = os.path.join(root, f"iter_{iteration:07d}", legacy_dir_name(tp_rank, pp_rank, pp, ep_rank, ep))
                 os.makedirs(path, exist_ok=True)
-                ckpt.save_atomically(os.path.join(path, FILE), {
-                    "args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-                    "model": state, "num_floating_point_operations_so_far": 0, **(extra or {})})
+                entries = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                           "model": state, "num_floating_point_operations_so_far": 0, **(extra or {})}
+                if rng is not None:  # one item: every dp rank's generators are the same (no data_parallel_random_init)
+                    entries["rng_state"] = [rng[tp_rank, pp_rank]]
+                if optimizers is not None:
+                    entries["optimizer"] = optimizers[tp_rank, pp_rank, ep_rank]
+                ckpt.save_atomically(os.path.join(path, FILE), entries)
     ckpt.write_tracker(root, iteration)
 
 
@@ -388,16 +437,17 @@ def extra_state_keys(model: ModelConfig, spec: str) -> list[str]:
 
 def save_torch_dist(root: str, iteration: int, config: Config, mglobal: dict[str, torch.Tensor], padded_vocab: int,
                     *, tp: int, pp: int, ep: int, spec: str, consumed_samples: int = 0,
-                    extra: dict[str, Any] | None = None) -> None:
+                    extra: dict[str, Any] | None = None, rng: dict[tuple[int, int], dict] | None = None) -> None:
     """Write Megatron-core's torch_dist: its keys (DCP; optimizer state under ``optimizer.state.*`` when
     ``mglobal`` holds it), ``metadata.json`` and ``common.pt`` with ``args`` and ``extra`` (``opt_param_scheduler``,
-    ``optimizer``)."""
+    ``optimizer``); ``rng``: Megatron-LM's ``rng_state`` entry of each (tp rank, pp rank) at layout tp x pp."""
     from megatron_like.training.dist_checkpointing import write_global_state
 
     path = os.path.join(root, f"iter_{iteration:07d}")
     state: dict[str, Any] = dict(mglobal)
     # Megatron-core stores each ShardedObject as torch.save of the list of its local objects (strategies/torch.py)
     state.update({key: [None] for key in extra_state_keys(config.model, spec)})
+    state.update({rng_object_key(t, p, tp, pp): [entry] for (t, p), entry in (rng or {}).items()})
     write_global_state(path, state)
     with open(os.path.join(path, "metadata.json"), "w") as f:
         json.dump(METADATA_JSON, f)

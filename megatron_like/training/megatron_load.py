@@ -7,10 +7,10 @@ torch_dist checkpoint, ``optimizer.{exp_avg,exp_avg_sq,master}.<name>``, the key
 checkpoints. Each rank then copies the pieces its layout holds (``model/sharded_state.py``,
 ``optimizer/sharded_state.py``), so any tp / pp / ep / dp / ZeRO layout loads it. Read with it: the iteration,
 the consumed samples (``args.consumed_train_samples``), the lr schedule (``opt_param_scheduler``, counted in samples
-there, in iterations here) and AdamW's step count. Not read: Megatron-LM's RNG states (the generators stay seeded
-from --seed), the optimizer state of its legacy files (Megatron's own parameter order; --no-load-optim) and of its
-``dp_reshardable`` distributed-optimizer layout. Every rank holds the whole model in host memory while it loads:
-for a model larger than that, convert offline (tools/convert_megatron.py).
+there, in iterations here), AdamW's step count and, at the checkpoint's tensor x pipeline layout, each rank's RNG
+states (``rng_state``). Not read: the optimizer state of its legacy files (Megatron's own parameter order;
+--no-load-optim) and of its ``dp_reshardable`` distributed-optimizer layout. Every rank holds the whole model in
+host memory while it loads: for a model larger than that, convert offline (tools/convert_megatron.py).
 """
 
 from __future__ import annotations
@@ -111,6 +111,35 @@ def read_global_state(checkpoint: MegatronCheckpoint, with_optimizer: bool) -> d
         raise ckpt.CheckpointError(f"{checkpoint.path}: {str(error).strip(chr(39))}") from None
 
 
+def read_megatron_rng(checkpoint: MegatronCheckpoint, tp_rank: int, pp_rank: int, dp_rank: int = 0
+                      ) -> dict[str, Any] | None:
+    """Our RNG state (``checkpointing.set_rng_state``'s) of rank (tp, pp, dp) of the checkpoint's own layout, from its
+    ``rng_state``: a ShardedObject per (pp, tp) in torch_dist, an entry of each ``mp_rank`` file in the legacy
+    format; a list of one item (every dp rank's), or of one per dp rank (``--data-parallel-random-init``). None when
+    it holds none (``--no-save-rng``). Read with the weights-only unpickler (numpy's generator allowed)."""
+    args = checkpoint.args
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    try:
+        if checkpoint.kind == "torch_dist":
+            key = mf.rng_object_key(tp_rank, pp_rank, tp, pp)
+            from megatron_like.training.checkpoint_integrity import read_dcp_metadata
+
+            if key not in read_dcp_metadata(checkpoint.path).state_dict_metadata:
+                return None
+            with torch.serialization.safe_globals(mf.safe_globals()):
+                states = mf.load_torch_dist(checkpoint.path, [key])[key]
+        else:
+            ep = getattr(args, "expert_model_parallel_size", 1) or 1
+            path = os.path.join(checkpoint.path, mf.legacy_dir_name(tp_rank, pp_rank, pp, 0, ep), mf.FILE)
+            states = mf.read_megatron_file(path, mmap=True, verify=False).get("rng_state")
+        if not states:
+            return None
+        return mf.rng_from_megatron(states[dp_rank] if len(states) > 1 else states[0])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise ckpt.CheckpointError(f"{checkpoint.path}: the RNG state of tp rank {tp_rank}, pp rank {pp_rank} is not "
+                                   f"Megatron-LM's ({type(error).__name__}: {error}); pass --no-load-rng") from None
+
+
 def saved_schedule(checkpoint: MegatronCheckpoint) -> dict[str, Any] | None:
     """Our scheduler's state of the checkpoint's ``opt_param_scheduler`` (None when it has none)."""
     state = checkpoint.common.get("opt_param_scheduler")
@@ -196,8 +225,14 @@ def load_megatron_checkpoint(it_dir: str, kind: str, config: Config, ps: Paralle
         install(step)
     if scheduler is not None and schedule is not None:
         scheduler.load_state_dict(schedule)
-    if config.checkpoint.load_rng and ps.rank == 0:
-        print(" > Megatron-LM checkpoint: its RNG states are not read; the generators stay seeded from --seed",
-              flush=True)
+    if config.checkpoint.load_rng:
+        same_layout = (checkpoint.args.tensor_model_parallel_size, checkpoint.args.pipeline_model_parallel_size) == (
+            ps.tp_size, ps.pp_size)
+        generators = read_megatron_rng(checkpoint, ps.tp_rank, ps.pp_rank, ps.dp_rank) if same_layout else None
+        if generators is not None:
+            ckpt.set_rng_state(generators)
+        elif ps.rank == 0:
+            print(" > Megatron-LM checkpoint: its RNG states are not read (none saved, or another tensor/pipeline "
+                  "layout); the generators stay seeded from --seed", flush=True)
     iteration = int(checkpoint.common.get("iteration", 0))
     return iteration, int(getattr(checkpoint.args, "consumed_train_samples", 0) or 0)

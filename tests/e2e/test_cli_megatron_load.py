@@ -10,6 +10,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from megatron_like.training.checkpointing import write_tracker
 from tests.e2e.cli import ISSUE_FLAGS, launch, logged_losses, run_script
@@ -71,6 +72,46 @@ def test_cli_continues_a_megatron_checkpoint_of_a_bf16_run_with_its_fp32_masters
     straight = logged_losses(launch(1, flags + ["--save", ours, "--save-interval", "3"]))
     _to_megatron(ours, mlm)
     resumed = logged_losses(launch(2, flags + ["--zero-stage", "1", "--load", mlm]))
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration, loss in resumed.items():
+        assert loss == pytest.approx(straight[iteration], rel=1e-5), f"iteration {iteration}"
+
+
+def _megatron_files(root: str, iteration: int) -> tuple[dict, dict]:
+    """(every DCP entry of a Megatron-LM torch_dist iteration: tensors and objects, its ``common.pt`` with ``args``
+    as a dict)."""
+    from megatron_like.training.checkpoint_integrity import read_dcp_metadata
+    from megatron_like.training.dist_checkpointing import read_full_tensors
+    from megatron_like.training.megatron_format import read_megatron_file, safe_globals
+
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    keys = sorted(read_dcp_metadata(it_dir).state_dict_metadata)
+    with torch.serialization.safe_globals(safe_globals()):
+        entries = read_full_tensors(root, keys, iteration)
+    common = read_megatron_file(os.path.join(it_dir, "common.pt"))
+    return entries, {**common, "args": vars(common["args"])}
+
+
+def test_cli_saves_in_megatron_naming_and_resumes_with_its_rng_states(tmp_path):
+    """--ckpt-naming megatron at tp 2 with dropout on: the files are the converter's of an ours-named save of the
+    same run (every key, value, RNG state, common entry), and --load of them continues with the uninterrupted run's
+    losses, its dropout streams included (python, numpy, torch and the tensor-parallel tracker from rng_state)."""
+    flags = FLAGS + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--tensor-model-parallel-size", "2"]
+    mlm, ours, exported = (str(tmp_path / name) for name in ("mlm", "ours", "exported"))
+    straight = logged_losses(launch(2, flags + ["--ckpt-naming", "megatron", "--save", mlm, "--save-interval", "3"]))
+    launch(2, flags + ["--save", ours, "--exit-interval", "3"])
+    _to_megatron(ours, exported)
+    assert os.path.isfile(os.path.join(mlm, "iter_0000003", "metadata.json"))
+    assert not os.path.exists(os.path.join(mlm, ".megatron_staging"))
+    (entries, common), (expected, expected_common) = _megatron_files(mlm, 3), _megatron_files(exported, 3)
+    assert sorted(entries) == sorted(expected)
+    assert {"rng_state/shard_0.1_1.2", "optimizer.state.exp_avg.embedding.word_embeddings.weight"} <= set(entries)
+    for key, value in entries.items():
+        assert str(value) == str(expected[key]) if not isinstance(value, torch.Tensor) else (
+            value.dtype == expected[key].dtype and torch.equal(value, expected[key])), key
+    assert common == expected_common
+    write_tracker(mlm, 3)
+    resumed = logged_losses(launch(2, flags + ["--load", mlm]))
     assert sorted(resumed) == [4, 5, 6]
     for iteration, loss in resumed.items():
         assert loss == pytest.approx(straight[iteration], rel=1e-5), f"iteration {iteration}"
