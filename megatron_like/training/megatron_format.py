@@ -48,8 +48,14 @@ MODEL_FIELDS = (
     "group_query_attention", "num_query_groups", "add_qkv_bias", "num_experts", "moe_router_topk",
     "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_router_pre_softmax", "moe_expert_capacity_factor", "moe_shared_expert_intermediate_size", "kv_channels",
-    "qk_layernorm")
+    "qk_layernorm") + (
+    "moe_router_score_function", "moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "mtp_num_layers", "mtp_loss_scaling_factor")
 """ModelConfig fields stored under the same name and meaning in Megatron-LM's ``args``."""
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type", "mscale", "mscale_all_dim", "rotary_scaling_factor",
+              "original_max_position_embeddings", "beta_fast", "beta_slow")
+"""Multi-latent attention's fields (Megatron-core's ``MLATransformerConfig`` names), read only when it is on."""
 RUN_FIELDS = {"training": ("micro_batch_size", "global_batch_size", "train_iters", "seed"),
               "optimizer": ("lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_warmup_iters", "lr_warmup_fraction",
                             "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps")}
@@ -141,7 +147,9 @@ def megatron_args(config: Config, padded_vocab: int, iteration: int, *, tp: int,
                   ckpt_format: str, experts: str, consumed_samples: int = 0) -> argparse.Namespace:
     """The ``args`` Megatron-LM stores (and checks on load) for our config at the given layout."""
     m = config.model
-    values: dict[str, Any] = {f: getattr(m, f) for f in MODEL_FIELDS}
+    values: dict[str, Any] = {f: getattr(m, f) for f in MODEL_FIELDS + MLA_FIELDS}
+    # Megatron-core's MLA normalizes its latents only with --qk-layernorm (else IdentityOp); ours always does
+    values["qk_layernorm"] = m.qk_layernorm or m.multi_latent_attention
     values.update({f: getattr(getattr(config, group), f) for group, fields in RUN_FIELDS.items() for f in fields})
     values["global_batch_size"] = config.global_batch_size
     values.update(
@@ -164,7 +172,14 @@ def _megatron_layer_freq(model: ModelConfig) -> int | list[int]:
 
 def model_config_from_args(args: argparse.Namespace) -> ModelConfig:
     """Our ModelConfig of a Megatron-LM checkpoint's ``args`` (the shared fields; the rest keep defaults)."""
-    values = {f: getattr(args, f) for f in MODEL_FIELDS if getattr(args, f, None) is not None}
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    if mla and not getattr(args, "qk_layernorm", False):
+        raise ValueError("--multi-latent-attention without --qk-layernorm (latents without norms) is not implemented "
+                         "here (DeepSeek's MLA normalizes both latents)")
+    fields = MODEL_FIELDS + (MLA_FIELDS if mla else ())
+    values = {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    if mla:
+        values.pop("qk_layernorm")  # ours: the latents' norms come with MLA
     values["disable_bias_linear"] = not getattr(args, "add_bias_linear", True)
     if not values.get("group_query_attention"):
         values.pop("num_query_groups", None)
@@ -269,7 +284,11 @@ def _check_choices(values: dict[str, Any], owner: type = ModelConfig) -> None:
 def _layer_extra_states(model: ModelConfig, spec: str, layer: int) -> list[str]:
     """``<rest>._extra_state`` entries of layer ``layer``: Megatron-core's linears (and TE's attention core) hold one
     each (None for the local spec's); its experts are not listed here."""
-    rests = ["self_attention.linear_qkv._extra_state", "self_attention.linear_proj._extra_state"]
+    attention = ["linear_qkv"] if not model.multi_latent_attention else [
+        "linear_q_proj"] if model.q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"]
+    if model.multi_latent_attention:
+        attention += ["linear_kv_down_proj", "linear_kv_up_proj"]
+    rests = [f"self_attention.{linear}._extra_state" for linear in attention + ["linear_proj"]]
     if spec == "te":
         rests.append("self_attention.core_attention._extra_state")
     if model.num_experts is None or not model.is_moe_layer(layer):
@@ -311,6 +330,9 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
     """The ``model`` state dict Megatron-core's GPTModel holds on rank (tp, pp, ep): its stage's layers under
     local indices, tensor-parallel slices, this ep rank's experts, ``_extra_state`` entries (None)."""
     m = config.model
+    if m.mtp_num_layers:
+        raise ValueError("Megatron-LM's legacy torch files are not written with multi-token prediction layers here: "
+                         "use --ckpt-format torch_dist")
     layers = chunk_layers(m.num_layers, pp, pp_rank, 1, 0)
     first, last = pp_rank == 0, pp_rank == pp - 1
     out: dict[str, Any] = {}
@@ -319,7 +341,7 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
         if match is None:
             if name.startswith("embedding.") and not first or not name.startswith("embedding.") and not last:
                 continue
-            out[name] = names.split_tp_megatron(name, tensor, m, tp, tp_rank)
+            out[name] = names.split_tp_megatron(name, tensor, m, tp, tp_rank, spec)
             continue
         layer, rest = int(match.group(1)), match.group(2)
         if layer not in layers:
@@ -334,7 +356,7 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
             fc2 = names.split_tp_megatron(names.EXPERT_FC2, fc2, m, tp, tp_rank)
             out.update(_experts_to_legacy(prefix, fc1, fc2, experts))
             continue
-        out[prefix + rest] = names.split_tp_megatron(rest, tensor, m, tp, tp_rank)
+        out[prefix + rest] = names.split_tp_megatron(rest, tensor, m, tp, tp_rank, spec)
     for layer in layers:
         out.update({f"decoder.layers.{layer - layers[0]}.{rest}": None for rest in _layer_extra_states(m, spec, layer)})
     if last:  # the output layer's module exists on the last stage, tied or not
@@ -376,6 +398,7 @@ def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig) -> di
     """Megatron-core per-layer global tensors (``to_megatron_layers``' form) of a legacy checkpoint directory."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    spec = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise ckpt.CheckpointError(f"{it_dir} was saved with virtual pipeline stages (model0, model1, ...): not "
                                    "read here; convert it to torch_dist with Megatron-LM first")
@@ -390,7 +413,7 @@ def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig) -> di
                 continue
             if name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
                 continue  # the last stage's copy of the tied embedding
-            merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model)
+            merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model, spec)
             match = names.MEGATRON_LAYER.match(name)
             out[f"decoder.layers.{layers[int(match.group(1))]}.{match.group(2)}" if match else name] = merged
         for local, layer in enumerate(layers):
