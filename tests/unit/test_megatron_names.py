@@ -46,10 +46,10 @@ MODELS = {
     "moe_every_2nd_shared": ModelConfig(**LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
                                         moe_layer_freq="2", moe_shared_expert_intermediate_size=8),
 }
-# DeepSeek-V3-shaped: MLA (q latent 8, kv latent 8, 4 heads of 4 + rope 2, values 4), a dense first layer then MoE
+# DeepSeek-V3-shaped: MLA (q latent 8, kv latent 8, 4 heads of 4 + rope 4, values 4), a dense first layer then MoE
 # with a shared expert, sigmoid routing with the expert bias, one MTP depth
 _MLA = dict({k: v for k, v in LLAMA.items() if k not in ("group_query_attention", "num_query_groups")},
-            multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=2,
+            multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
             v_head_dim=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_layer_freq="[0,1]",
             moe_shared_expert_intermediate_size=8, moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True)
@@ -67,7 +67,7 @@ def _deepseek_v3_keys(spec: str) -> dict[str, tuple[int, ...]]:
     attention = {  # the latents' norms: q_layernorm / kv_layernorm (local), fused into the up-projections (TE)
         "input_layernorm.weight": (16,), "self_attention.linear_q_down_proj.weight": (8, 16),
         ("self_attention.linear_q_up_proj.layer_norm_weight" if te else "self_attention.q_layernorm.weight"): (8,),
-        "self_attention.linear_q_up_proj.weight": (24, 8), "self_attention.linear_kv_down_proj.weight": (10, 16),
+        "self_attention.linear_q_up_proj.weight": (32, 8), "self_attention.linear_kv_down_proj.weight": (12, 16),
         ("self_attention.linear_kv_up_proj.layer_norm_weight" if te else "self_attention.kv_layernorm.weight"): (8,),
         "self_attention.linear_kv_up_proj.weight": (32, 8), "self_attention.linear_proj.weight": (16, 16)}
     dense = attention | {("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"): (16,),
@@ -280,9 +280,10 @@ def test_mla_rope_rows_are_deepseeks_interleaved_pairs():
     mega = names.to_megatron_layers(full, model, "local", sharded=True)
     for ours, theirs, heads in (("attention.q_up.weight", "self_attention.linear_q_up_proj.weight", 4),
                                 ("attention.kv_down.weight", "self_attention.linear_kv_down_proj.weight", 1)):
-        rope = mega[f"decoder.layers.0.{theirs}"].reshape(heads, -1, 8 if heads == 4 else 16)[:, -2:]
+        rope = mega[f"decoder.layers.0.{theirs}"].reshape(heads, -1, 8 if heads == 4 else 16)[:, -4:]
         read = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
-        assert torch.equal(read, full[f"layers.0.{ours}"].reshape(heads, -1, read.shape[-1])[:, -2:]), ours
+        assert not torch.equal(read, rope)  # 4 rope rows: the two orders differ
+        assert torch.equal(read, full[f"layers.0.{ours}"].reshape(heads, -1, read.shape[-1])[:, -4:]), ours
 
 
 def test_mla_down_projections_split_over_tp_in_the_local_spec_only():
