@@ -10,8 +10,10 @@ SequentialMLP with ``--moe-experts``) or ``torch_dist`` (Megatron-core's sharded
 uniform models, its ``_extra_state`` objects, ``metadata.json``, ``common.pt``; loads at any layout), names of the
 local layer spec or Transformer Engine's (``--layer-spec``). ``from-megatron`` reads either format (found from the
 directory) and writes our torch_dist at the same iteration, which loads at any layout; the model's configuration
-comes from the checkpoint's ``args``. Carried: weights, iteration and arguments; not (yet): optimizer state, lr
-schedule, RNG (continue with ``--finetune`` or ``--no-load-optim``); docs/checkpoints.md, "Megatron-LM checkpoints".
+comes from the checkpoint's ``args``. Carried: weights, iteration, arguments, consumed samples, lr schedule, the
+optimizer state (torch_dist: the distributed optimizer's model-space layout; legacy files: the non-distributed
+optimizer's entry) and, to Megatron-LM at the source's tp x pp, the RNG states; docs/checkpoints.md,
+"Megatron-LM checkpoints".
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from megatron_like.training.megatron_load import (  # noqa: E402
     open_megatron,
     read_global_state,
     saved_schedule,
+    saved_step,
 )
 
 
@@ -73,7 +76,7 @@ def from_megatron(args: argparse.Namespace) -> None:
     padded = config.padded_vocab_size(config.model.vocab_size)
     full = {k: resize_vocab(v, padded) if k.endswith(VOCAB_PARAMS) else v for k, v in full.items()}
     iteration = int(os.path.basename(it_dir)[len("iter_"):])
-    schedule, step = saved_schedule(megatron), mf.optimizer_step_of(megatron.common.get("optimizer"))
+    schedule, step = saved_schedule(megatron), saved_step(megatron)
     from megatron_like.training.dist_checkpointing import save_full_state
 
     save_full_state(args.save, iteration, config, full, extra={

@@ -35,6 +35,7 @@ from megatron_like.training import checkpointing as ckpt
 from megatron_like.training import megatron_format as mf
 from megatron_like.training.checkpoint_integrity import read_dcp_metadata
 from megatron_like.training.checkpoint_validation import read_checkpoint_file
+from megatron_like.training.megatron_legacy_optim import KINDS
 from megatron_like.training.retention import retain_after_save
 
 STAGING_DIR = ".megatron_staging"
@@ -111,9 +112,14 @@ def export_to_megatron(load: str, save: str, iteration: int | None = None, *, ck
     consumed = int(common.get("consumed_samples") or 0)
     per_layer = names.to_megatron_layers(full, m, spec, sharded=ckpt_format == "torch_dist")
     if ckpt_format == "torch":
+        kinds = {kind: {k[len(f"optimizer.{kind}."):]: v for k, v in optimizer.items()
+                        if k.startswith(f"optimizer.{kind}.")} for kind in KINDS}
+        moments = {kind: names.to_megatron_layers(part, m, spec, sharded=False) for kind, part in kinds.items() if part}
         mf.save_legacy(save, iteration, config, per_layer, padded, tp=tp, pp=pp, ep=ep, spec=spec, experts=experts,
-                       consumed_samples=consumed, extra=extra, rng=rng)
-        carried = "no optimizer state (the legacy files of a distributed optimizer keep it apart)"
+                       consumed_samples=consumed, extra=extra, rng=rng, moments=moments or None,
+                       step=(common.get("optimizer") or {}).get("step"))
+        carried = ("with its optimizer state (Megatron-LM's non-distributed optimizer)" if moments
+                   else "no optimizer state (the source holds none)")
     else:
         mglobal = names.stack_layers(per_layer, m.num_layers) if names.is_stacked(m) else per_layer
         if optimizer:

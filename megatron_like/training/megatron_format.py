@@ -30,6 +30,7 @@ from megatron_like.model import megatron_names as names
 from megatron_like.model.gpt import chunk_layers
 from megatron_like.training import checkpointing as ckpt
 from megatron_like.training.checkpoint_validation import read_checkpoint_file
+from megatron_like.training.megatron_legacy_optim import optimizer_entry, param_group, read_optimizer_entry
 
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's ``checkpoint_version`` of the current layout (QKV grouped per query group)."""
@@ -242,13 +243,9 @@ def scheduler_to_megatron(state: dict[str, Any], config: Config) -> dict[str, An
 def optimizer_common(step: float | None, config: Config) -> dict[str, Any]:
     """The ``optimizer`` entry of Megatron-core's ``common.pt`` for its distributed optimizer: torch's param group
     values (the step count in each, as native torch AdamW keeps it) and the sharding type of the saved state."""
-    o = config.optimizer
     groups = []
     for wd_mult in (1.0, 0.0):  # Megatron-core's default groups: decayed weights; biases and norms without decay
-        group = {"lr": o.lr, "betas": (o.adam_beta1, o.adam_beta2), "eps": o.adam_eps,
-                 "weight_decay": o.weight_decay * wd_mult, "amsgrad": False, "maximize": False, "foreach": None,
-                 "capturable": False, "differentiable": False, "fused": None, "wd_mult": wd_mult, "lr_mult": 1.0,
-                 "is_expert_parallel": False, "is_decoupled_lr": False}
+        group = param_group(config, wd_mult)
         groups.append(group if step is None else {**group, "step": step})
     return {"optimizer": {"param_groups": groups}, "param_state_sharding_type": SHARDING_TYPE}
 
@@ -325,6 +322,41 @@ def _sequential_experts(state: dict[str, Any], layer_prefix: str) -> tuple[torch
     return torch.stack(fc1), torch.stack(fc2)
 
 
+_MODULE_ORDER = (
+    "embedding.word_embeddings.", "embedding.position_embeddings.", "decoder.layers.", "decoder.final_layernorm.",
+    "output_layer.")
+_LAYER_ORDER = (
+    "input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.", "self_attention.linear_q_proj.",
+    "self_attention.linear_q_down_proj.", "self_attention.linear_q_up_proj.", "self_attention.linear_kv_down_proj.",
+    "self_attention.linear_kv_up_proj.", "self_attention.q_layernorm.", "self_attention.k_layernorm.",
+    "self_attention.kv_layernorm.", "pre_mlp_layernorm.", "mlp.router.", "mlp.experts.", "mlp.shared_experts.",
+    "mlp.linear_fc1.", "mlp.linear_fc2.")
+"""Megatron-core's modules in their registration order (its ``named_parameters``' and state dict's): a layer's
+attention builds ``linear_proj`` before ``linear_qkv`` (``Attention.__init__``, then ``SelfAttention``'s), an MoE
+layer its router, experts, then shared experts; seen from its GPTModel of the local spec on CPU."""
+_TENSOR_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias", "expert_bias", "_extra_state")
+"""Within one module: a TE linear's fused norm first (assumed from Transformer Engine's ``LayerNormLinear``, not
+seen here), then its weight and bias, then buffers and extra state."""
+
+
+def _position(name: str, order: tuple[str, ...]) -> int:
+    return next((i for i, prefix in enumerate(order) if name.startswith(prefix)), len(order))
+
+
+def module_order(name: str) -> tuple:
+    """Sort key of a Megatron-core GPTModel state-dict name in its module order (``_MODULE_ORDER``)."""
+    top = _position(name, _MODULE_ORDER)
+    match = names.MEGATRON_LAYER.match(name)
+    if match is None:
+        return top, 0, 0, (), _TENSOR_ORDER.index(name.rsplit(".", 1)[1]) if "." in name else 0
+    rest = match.group(2)
+    module, _, tensor = rest.rpartition(".")
+    numbers = tuple(int(part) for part in module.split(".") if part.isdigit())  # local_experts.<e>
+    fc = 1 if module.endswith("linear_fc2") or tensor == "weight2" else 0
+    kind = _TENSOR_ORDER.index(tensor) if tensor in _TENSOR_ORDER else 2
+    return top, int(match.group(1)), _position(rest, _LAYER_ORDER), numbers + (fc,), kind
+
+
 def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp: int, tp_rank: int, pp: int,
                       pp_rank: int, ep: int, ep_rank: int, spec: str, experts: str) -> dict[str, Any]:
     """The ``model`` state dict Megatron-core's GPTModel holds on rank (tp, pp, ep): its stage's layers under
@@ -365,16 +397,17 @@ def legacy_rank_state(per_layer: dict[str, torch.Tensor], config: Config, *, tp:
         # Megatron-LM's last stage holds its own copy of the tied embedding as the output layer's weight
         word = per_layer["embedding.word_embeddings.weight"]
         out["output_layer.weight"] = names.split_tp_megatron("output_layer.weight", word, m, tp, tp_rank)
-    return out
+    return dict(sorted(out.items(), key=lambda item: module_order(item[0])))
 
 
 def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, torch.Tensor], padded_vocab: int, *,
                 tp: int, pp: int, ep: int, spec: str, experts: str, consumed_samples: int = 0,
                 extra: dict[str, Any] | None = None, rng: dict[tuple[int, int], dict] | None = None,
-                optimizers: dict[tuple[int, int, int], dict] | None = None) -> None:
+                moments: dict[str, dict[str, torch.Tensor]] | None = None, step: float | None = None) -> None:
     """Write Megatron-LM's legacy torch format at layout tp x pp x ep; ``extra``: further entries of every file
     (``opt_param_scheduler``); ``rng``: Megatron-LM's ``rng_state`` entry of each (tp rank, pp rank);
-    ``optimizers``: the ``optimizer`` entry of each (tp, pp, ep) rank (:func:`legacy_optimizer_state`)."""
+    ``moments``: our optimizer kinds (``megatron_legacy_optim.KINDS``) in ``per_layer``'s names, written as each
+    rank's ``optimizer`` entry with AdamW's ``step``."""
     args = megatron_args(config, padded_vocab, iteration, tp=tp, pp=pp, ep=ep, spec=spec, ckpt_format="torch",
                          experts=experts, consumed_samples=consumed_samples)
     for pp_rank in range(pp):
@@ -388,46 +421,72 @@ def save_legacy(root: str, iteration: int, config: Config, per_layer: dict[str, 
                            "model": state, "num_floating_point_operations_so_far": 0, **(extra or {})}
                 if rng is not None:  # one item: every dp rank's generators are the same (no data_parallel_random_init)
                     entries["rng_state"] = [rng[tp_rank, pp_rank]]
-                if optimizers is not None:
-                    entries["optimizer"] = optimizers[tp_rank, pp_rank, ep_rank]
+                if moments:
+                    rank_moments = {kind: legacy_rank_state(part, config, tp=tp, tp_rank=tp_rank, pp=pp,
+                                                            pp_rank=pp_rank, ep=ep, ep_rank=ep_rank, spec=spec,
+                                                            experts=experts) for kind, part in moments.items()}
+                    entries["optimizer"] = optimizer_entry(state, rank_moments, step or 0.0, config, ep)
                 ckpt.save_atomically(os.path.join(path, FILE), entries)
     ckpt.write_tracker(root, iteration)
 
 
-def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig) -> dict[str, torch.Tensor]:
-    """Megatron-core per-layer global tensors (``to_megatron_layers``' form) of a legacy checkpoint directory."""
+def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig, with_optimizer: bool = False
+                ) -> tuple[dict[str, dict[str, torch.Tensor]], float | None]:
+    """({"model": Megatron-core per-layer global tensors (``to_megatron_layers``' form)} and, ``with_optimizer``,
+    our optimizer kinds under the same names, AdamW's step count or None) of a legacy checkpoint directory."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     spec = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
         raise ckpt.CheckpointError(f"{it_dir} was saved with virtual pipeline stages (model0, model1, ...): not "
                                    "read here; convert it to torch_dist with Megatron-LM first")
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    steps: set[float] = set()
     for pp_rank in range(pp):
         layers = chunk_layers(model.num_layers, pp, pp_rank, 1, 0)
-        ranks = [[read_megatron_file(os.path.join(it_dir, legacy_dir_name(t, pp_rank, pp, e, ep), FILE))["model"]
-                  for e in range(ep)] for t in range(tp)]
-        first = ranks[0][0]
-        for name in first:
-            if name.endswith("_extra_state") or ".mlp.experts." in name:
-                continue
-            if name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
-                continue  # the last stage's copy of the tied embedding
-            merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model, spec)
-            match = names.MEGATRON_LAYER.match(name)
-            out[f"decoder.layers.{layers[int(match.group(1))]}.{match.group(2)}" if match else name] = merged
-        for local, layer in enumerate(layers):
-            if model.num_experts is None or not model.is_moe_layer(layer):
-                continue
-            prefix = f"decoder.layers.{local}."
-            fc1s, fc2s = [], []
-            for t in range(tp):
-                per_ep = [_legacy_experts(r, prefix, model, tp) for r in ranks[t]]
-                fc1s.append(torch.cat([p[0] for p in per_ep]))
-                fc2s.append(torch.cat([p[1] for p in per_ep]))
-            out[f"decoder.layers.{layer}.{names.EXPERT_FC1}"] = names.merge_tp_megatron(names.EXPERT_FC1, fc1s, model)
-            out[f"decoder.layers.{layer}.{names.EXPERT_FC2}"] = names.merge_tp_megatron(names.EXPERT_FC2, fc2s, model)
-    return out
+        parts: dict[str, list[list[dict[str, Any]]]] = {}
+        for t in range(tp):
+            for e in range(ep):
+                path = os.path.join(it_dir, legacy_dir_name(t, pp_rank, pp, e, ep), FILE)
+                saved = read_megatron_file(path)
+                kinds = {"model": saved["model"]}
+                if with_optimizer:
+                    moments, step = read_optimizer_entry(saved["model"], saved.get("optimizer"), path)
+                    kinds.update(moments)
+                    steps.update([] if step is None else [step])
+                for kind, state in kinds.items():
+                    parts.setdefault(kind, [[] for _ in range(tp)])[t].append(state)
+        for kind, ranks in parts.items():
+            _merge_legacy_stage(ranks, layers, model, spec, tp, out.setdefault(kind, {}))
+    if len(steps) > 1:
+        raise ckpt.CheckpointError(f"{it_dir}: the Megatron-LM optimizer holds several step counts {sorted(steps)}")
+    return out, steps.pop() if steps else None
+
+
+def _merge_legacy_stage(ranks: list[list[dict[str, Any]]], layers: list[int], model: ModelConfig, spec: str,
+                        tp: int, out: dict[str, torch.Tensor]) -> None:
+    """Merge one pipeline stage's ``ranks[tp rank][ep rank]`` state dicts (model or one optimizer kind) into ``out``
+    under global layer indices (in place)."""
+    first = ranks[0][0]
+    for name in first:
+        if name.endswith("_extra_state") or ".mlp.experts." in name or not isinstance(first[name], torch.Tensor):
+            continue
+        if name == "output_layer.weight" and not model.untie_embeddings_and_output_weights:
+            continue  # the last stage's copy of the tied embedding
+        merged = names.merge_tp_megatron(name, [r[0][name] for r in ranks], model, spec)
+        match = names.MEGATRON_LAYER.match(name)
+        out[f"decoder.layers.{layers[int(match.group(1))]}.{match.group(2)}" if match else name] = merged
+    for local, layer in enumerate(layers):
+        if model.num_experts is None or not model.is_moe_layer(layer):
+            continue
+        prefix = f"decoder.layers.{local}."
+        fc1s, fc2s = [], []
+        for t in range(tp):
+            per_ep = [_legacy_experts(r, prefix, model, tp) for r in ranks[t]]
+            fc1s.append(torch.cat([p[0] for p in per_ep]))
+            fc2s.append(torch.cat([p[1] for p in per_ep]))
+        out[f"decoder.layers.{layer}.{names.EXPERT_FC1}"] = names.merge_tp_megatron(names.EXPERT_FC1, fc1s, model)
+        out[f"decoder.layers.{layer}.{names.EXPERT_FC2}"] = names.merge_tp_megatron(names.EXPERT_FC2, fc2s, model)
 
 
 def _legacy_experts(state: dict[str, Any], prefix: str, model: ModelConfig, tp: int
