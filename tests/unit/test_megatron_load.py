@@ -31,7 +31,8 @@ SCHEDULE = {"num_steps": 7, "max_lr": 1e-3, "min_lr": 1e-5, "warmup_iters": 2, "
             "decay_style": "cosine"}
 
 
-def _save_ours_with_optimizer(root, kind: str, masters: bool = False) -> dict[str, torch.Tensor]:
+def _save_ours_with_optimizer(root, kind: str, masters: bool = False, rng: dict | None = None
+                              ) -> dict[str, torch.Tensor]:
     """Our torch_dist checkpoint of a tiny ``kind`` model at iteration 7 with random AdamW moments (and fp32
     masters, as a bf16 run's), an lr schedule, a step count and consumed samples; returns its global state
     (``model.*``, ``optimizer.*``)."""
@@ -45,8 +46,8 @@ def _save_ours_with_optimizer(root, kind: str, masters: bool = False) -> dict[st
     for name, tensor in list(state.items()):
         for moment in ("exp_avg", "exp_avg_sq") + (("master",) if masters else ()):
             state[f"optimizer.{moment}.{name[len('model.'):]}"] = torch.randn(tensor.shape, generator=generator)
-    save_full_state(str(root), 7, config, state, extra={"consumed_samples": 28, "scheduler": SCHEDULE,
-                                                        "optimizer": {"step": 7.0, "loss_scaler": None}})
+    save_full_state(str(root), 7, config, {**state, **(rng or {})}, extra={
+        "consumed_samples": 28, "scheduler": SCHEDULE, "optimizer": {"step": 7.0, "loss_scaler": None}})
     return state
 
 
@@ -158,6 +159,38 @@ def test_legacy_optimizer_entry_in_megatron_lms_order(tmp_path):
     bias = entry["state"][10 + [n for n in GPT2_PARAMETERS if n not in decayed].index(
         "decoder.layers.0.self_attention.linear_proj.bias")]
     assert torch.equal(bias["exp_avg_sq"], ours["optimizer.exp_avg_sq.layers.0.attention.proj.bias"])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_rng_states_travel_as_megatron_lms_rng_state(tmp_path, fmt):
+    """Our generators (data-parallel rank 0's) become Megatron-LM's ``rng_state`` (training/checkpointing.py
+    ``get_rng_state``: python's and numpy's states as they return them, torch's, the tracker's) and come back equal."""
+    import random
+
+    import numpy as np
+
+    from megatron_like.tensor_parallel import seed_everything
+    from megatron_like.training.checkpointing import rng_state
+    from megatron_like.training.megatron_load import read_megatron_rng
+
+    seed_everything(77, tp_rank=0, pp_rank=0)
+    random.random(), np.random.rand(3), torch.rand(5)  # noqa: B018 - generators away from their seeded start
+    generators = rng_state()
+    _save_ours_with_optimizer(tmp_path / "ours", "gpt2", rng={"rng.tp0.pp0.dp0": generators})
+    _to_megatron(tmp_path, "--ckpt-format", fmt)
+    it_dir = str(tmp_path / "mlm" / "iter_0000007")
+    if fmt == "torch":
+        entry = mf.read_megatron_file(os.path.join(it_dir, "mp_rank_00", mf.FILE))["rng_state"]
+        assert len(entry) == 1 and sorted(entry[0]) == ["np_rng_state", "random_rng_state", "rng_tracker_states",
+                                                        "torch_rng_state"]
+        version, python_keys, _ = entry[0]["random_rng_state"]  # random.getstate()'s (3, keys and position, gauss)
+        assert version == 3 and list(python_keys) == generators["python"]
+        assert entry[0]["np_rng_state"][0] == "MT19937" and entry[0]["np_rng_state"][1].dtype == np.uint32
+    back = read_megatron_rng(open_megatron(it_dir, fmt), 0, 0)
+    assert back["python"] == generators["python"] and back["numpy_pos"] == generators["numpy_pos"]
+    assert torch.equal(back["numpy_keys"], generators["numpy_keys"]) and torch.equal(back["torch"], generators["torch"])
+    assert back["tracker"].keys() == generators["tracker"].keys() == {"model-parallel-rng"}
+    assert torch.equal(back["tracker"]["model-parallel-rng"], generators["tracker"]["model-parallel-rng"])
 
 
 def test_refusals_are_one_line(tmp_path):
