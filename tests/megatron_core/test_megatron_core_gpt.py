@@ -170,3 +170,59 @@ def test_we_load_a_checkpoint_megatron_core_saved(tmp_path, megatron_core, kind)
     for name in ours:
         assert torch.equal(full[name], ours[name]), name
     torch.testing.assert_close(our_logits(str(tmp_path / "mlm")), megatron_logits(model), rtol=2e-4, atol=2e-4)
+
+
+def megatron_core_optimizer(model):
+    """Megatron-core's own optimizer of ``model`` as Megatron-LM builds it by default (non-distributed, AdamW; fp32
+    params: its FP32Optimizer), its few CUDA-only tensors (a loss-scale constant) made on the CPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    tensor = torch.tensor
+
+    def on_cpu(*args, **kwargs):
+        return tensor(*args, **{**kwargs, "device": "cpu"} if kwargs.get("device") == "cuda" else kwargs)
+
+    torch.tensor = on_cpu
+    try:
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01,
+                                                      use_distributed_optimizer=False), [ddp])
+    finally:
+        torch.tensor = tensor
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_megatron_core_optimizer_and_ours_read_each_others_legacy_optimizer_entry(tmp_path, megatron_core, kind):
+    """Our legacy file's ``optimizer`` entry loads into Megatron-core's own optimizer (``load_state_dict``): each of
+    its parameters gets our moments and step; and its ``state_dict()`` after a step of its own reads back here
+    (``read_optimizer_entry``) as its per-parameter state."""
+    from megatron_like.training import megatron_format as mf
+    from megatron_like.training.megatron_legacy_optim import read_optimizer_entry
+    from tests.unit.test_megatron_load import _save_ours_with_optimizer
+
+    ours = _save_ours_with_optimizer(tmp_path / "ours", kind)
+    convert_megatron.main(["--direction", "to-megatron", "--load", str(tmp_path / "ours"), "--save",
+                           str(tmp_path / "mlm"), "--ckpt-format", "torch"])
+    saved = mf.read_megatron_file(str(tmp_path / "mlm" / "iter_0000007" / "mp_rank_00" / mf.FILE))
+    model = build_megatron_gpt(kind)
+    model.load_state_dict(saved["model"], strict=False)
+    optimizer = megatron_core_optimizer(model)
+    optimizer.load_state_dict(saved["optimizer"])
+    adamw = optimizer.chained_optimizers[0].optimizer
+    params = dict(model.named_parameters())
+    theirs = {name: adamw.state[param]["exp_avg"] for name, param in params.items()}
+    expected = names.to_megatron_layers({k[len("optimizer.exp_avg."):]: v for k, v in ours.items()
+                                         if k.startswith("optimizer.exp_avg.")}, MODELS[kind], sharded=False)
+    assert sorted(theirs) == sorted(expected)
+    for name, moment in theirs.items():
+        assert torch.equal(moment, expected[name]), name
+    assert {float(adamw.state[p]["step"]) for p in params.values()} == {7.0}
+
+    for param in params.values():
+        param.grad = torch.randn_like(param)
+    adamw.step()
+    moments, step = read_optimizer_entry(saved["model"], optimizer.state_dict(), "its state_dict")
+    assert step == 8.0 and sorted(moments) == ["exp_avg", "exp_avg_sq"]
+    for name, param in params.items():
+        assert torch.equal(moments["exp_avg_sq"][name], adamw.state[param]["exp_avg_sq"]), name
