@@ -25,6 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+try:  # numpy's array constructor, which pickles of arrays name: numpy 2's module, or numpy 1's
+    from numpy._core.multiarray import _reconstruct
+except ImportError:
+    from numpy.core.multiarray import _reconstruct
+
 from megatron_like.config import Config, ModelConfig
 from megatron_like.model import megatron_names as names
 from megatron_like.model.gpt import chunk_layers
@@ -78,9 +83,8 @@ class _MegatronEnum:
 
 _ENUMS = ("megatron.core.transformer.enums.AttnBackend", "megatron.core.enums.ModelType",
           "megatron.core.transformer.enums.AttnMaskType", "megatron.core.enums.Fp8Recipe")
-_NUMPY = [np.ndarray, np.dtype, np.dtypes.UInt32DType, (np._core.multiarray._reconstruct,
-                                                        "numpy.core.multiarray._reconstruct"),
-          np._core.multiarray._reconstruct]
+_NUMPY = [np.ndarray, np.dtype, np.dtypes.UInt32DType, (_reconstruct, "numpy.core.multiarray._reconstruct"),
+          (_reconstruct, "numpy._core.multiarray._reconstruct")]
 """What numpy's generator state in Megatron-LM's ``rng_state`` (``np.random.get_state()``: a ``uint32`` array)
 needs to unpickle: the array class, its dtype and numpy's array constructor (under numpy 1's module path too)."""
 
@@ -450,8 +454,8 @@ def load_legacy(it_dir: str, args: argparse.Namespace, model: ModelConfig, with_
                 path = os.path.join(it_dir, legacy_dir_name(t, pp_rank, pp, e, ep), FILE)
                 saved = read_megatron_file(path)
                 kinds = {"model": saved["model"]}
-                if with_optimizer:
-                    moments, step = read_optimizer_entry(saved["model"], saved.get("optimizer"), path)
+                if with_optimizer and saved.get("optimizer") is not None:  # --no-save-optim: none
+                    moments, step = read_optimizer_entry(saved["model"], saved["optimizer"], path)
                     kinds.update(moments)
                     steps.update([] if step is None else [step])
                 for kind, state in kinds.items():
