@@ -517,6 +517,11 @@ def extra_state_keys(model: ModelConfig, spec: str) -> list[str]:
         for rest in _layer_extra_states(model, spec, layer):
             keys.append(f"decoder.layers.{rest}/shard_{layer}_{model.num_layers}" if names.is_stacked(model)
                         else f"decoder.layers.{layer}.{rest}/shard_0_1")
+    for depth in range(model.mtp_num_layers or 0):  # an MTP depth's projection and layer (named as layer L + depth)
+        prefix = f"mtp.layers.{depth}."
+        keys.append(f"{prefix}eh_proj._extra_state/shard_0_1")
+        keys += [f"{prefix}transformer_layer.{rest}/shard_0_1"
+                 for rest in _layer_extra_states(model, spec, model.num_layers + depth)]
     keys.append("output_layer._extra_state/shard_0_1")
     return keys
 

@@ -255,13 +255,14 @@ def mla_without_transformer_engine():
 def test_megatron_cores_deepseek_v3_keys_are_the_ones_written_down(megatron_core):
     """Megatron-core's own GPTModel of the DeepSeek-V3-shaped model (MLA, local spec; MoE on layer 1 with a shared
     expert, sigmoid routing with the expert bias; one MTP depth): its ``sharded_state_dict`` keys and global shapes
-    are tests/unit/test_megatron_names.py's list, and its parameters come in the order our legacy files use."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    are tests/unit/test_megatron_names.py's list, our export holds its ``_extra_state`` objects, and its parameters
+    come in the order our legacy files use."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    from megatron_like.training.megatron_format import module_order
+    from megatron_like.training.megatron_format import extra_state_keys, module_order
     from tests.unit.test_megatron_names import EXPECTED
 
     m = MODELS["deepseek_v3"]
@@ -281,10 +282,15 @@ def test_megatron_cores_deepseek_v3_keys_are_the_ones_written_down(megatron_core
                          mtp_block_spec=mtp)
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    keys = {}
+    keys, objects = {}, set()
     for value in model.sharded_state_dict().values():  # SwiGLU fc1s are factories: the tensors they build
         built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
         keys.update({t.key: tuple(t.global_shape) for t in built if isinstance(t, ShardedTensor)})
+        objects.update(t.unique_key for t in built if isinstance(t, ShardedObject))
     assert keys == EXPECTED["deepseek_v3", "local"]
+    # its _extra_state objects are in our export, but for its SequentialMLP's per-expert linears (built here without
+    # the grouped_gemm package; our args declare --moe-grouped-gemm, whose GroupedMLP holds none)
+    sequential = {k for k in objects if ".mlp.experts.experts.linear_fc" in k}
+    assert sequential and objects - sequential <= set(extra_state_keys(m, "local"))
     decoder = [n for n, _ in model.named_parameters() if not n.startswith("mtp.")]
     assert decoder == sorted(decoder, key=module_order)
