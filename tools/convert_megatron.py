@@ -10,110 +10,44 @@ SequentialMLP with ``--moe-experts``) or ``torch_dist`` (Megatron-core's sharded
 uniform models, its ``_extra_state`` objects, ``metadata.json``, ``common.pt``; loads at any layout), names of the
 local layer spec or Transformer Engine's (``--layer-spec``). ``from-megatron`` reads either format (found from the
 directory) and writes our torch_dist at the same iteration, which loads at any layout; the model's configuration
-comes from the checkpoint's ``args``. Carried: weights, iteration and arguments; not (yet): optimizer state, lr
-schedule, RNG (continue with ``--finetune`` or ``--no-load-optim``); docs/checkpoints.md, "Megatron-LM checkpoints".
+comes from the checkpoint's ``args``. Carried: weights, iteration, arguments, consumed samples, lr schedule, the
+optimizer state (torch_dist: the distributed optimizer's model-space layout; legacy files: the non-distributed
+optimizer's entry) and, to Megatron-LM at the source's tp x pp, the RNG states; docs/checkpoints.md,
+"Megatron-LM checkpoints".
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_like.config import Config, ConfigError, QuietArgumentParser  # noqa: E402
+from megatron_like.config import ConfigError, QuietArgumentParser  # noqa: E402
 from megatron_like.model import megatron_names as names  # noqa: E402
 from megatron_like.model.state import (  # noqa: E402
-    CHECKPOINT_FILE,
     VOCAB_PARAMS,
     CheckpointLoadError,
     checkpoint_iteration_dir,
-    first_shard_dir,
-    is_torch_dist,
-    load_full_state,
     resize_vocab,
 )
 from megatron_like.training import megatron_format as mf  # noqa: E402
-from megatron_like.training.checkpoint_integrity import read_dcp_metadata  # noqa: E402
-from megatron_like.training.checkpoint_validation import read_checkpoint_file  # noqa: E402
 from megatron_like.training.checkpointing import CheckpointError  # noqa: E402
+from megatron_like.training.megatron_export import export_to_megatron  # noqa: E402
 from megatron_like.training.megatron_load import (  # noqa: E402
     megatron_kind,
     open_megatron,
     read_global_state,
     saved_schedule,
+    saved_step,
 )
 
 
-def _our_run_state(load: str, iteration: int | None, config: Config) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(``common.pt``'s plain entries, our global optimizer tensors ``optimizer.<kind>.<name>``) of our checkpoint;
-    a torch-format one gives its first file's entries and no optimizer tensors (its ZeRO shards are flat)."""
-    it_dir = checkpoint_iteration_dir(load, iteration)
-    root = os.path.dirname(it_dir)
-    step = int(os.path.basename(it_dir)[len("iter_"):])
-    if not is_torch_dist(it_dir):
-        state = read_checkpoint_file(os.path.join(first_shard_dir(it_dir), CHECKPOINT_FILE), mmap=True, verify=False)
-        return {k: state.get(k) for k in ("consumed_samples", "scheduler")}, {}
-    from megatron_like.training.dist_checkpointing import read_full_tensors
-
-    common = read_checkpoint_file(os.path.join(it_dir, "common.pt"))
-    keys = [k for k in read_dcp_metadata(it_dir).state_dict_metadata if k.startswith("optimizer.")]
-    return common, read_full_tensors(root, keys, step)
-
-
-def _optimizer_to_megatron(tensors: dict[str, torch.Tensor], full: dict[str, torch.Tensor], config: Config,
-                           spec: str) -> dict[str, torch.Tensor]:
-    """Megatron-core's ``optimizer.state.<kind>.<key>`` of our global optimizer tensors; an fp32 run's masters are
-    its parameters (``full``), which Megatron-core's distributed optimizer keeps as ``fp32_param`` all the same."""
-    m, out = config.model, {}
-    for ours, theirs in mf.OPTIMIZER_KINDS.items():
-        part = {k[len(f"optimizer.{ours}."):]: v for k, v in tensors.items() if k.startswith(f"optimizer.{ours}.")}
-        if ours == "master" and not part:
-            part = {k: v.float() for k, v in full.items()}
-        if part:
-            out.update({f"optimizer.state.{theirs}.{k}": v for k, v in names.to_megatron_global(part, m, spec).items()})
-    return out
-
-
 def to_megatron(args: argparse.Namespace) -> None:
-    config, full = load_full_state(args.load, args.iteration)
-    p, m = config.parallel, config.model
-    tp = args.target_tensor_parallel_size or p.tensor_model_parallel_size
-    pp = args.target_pipeline_model_parallel_size or p.pipeline_model_parallel_size
-    ep = args.target_expert_model_parallel_size or p.expert_model_parallel_size
-    if m.num_layers % pp:
-        raise ValueError(f"--target-pipeline-model-parallel-size {pp} does not divide the {m.num_layers} layers")
-    rows = full[VOCAB_PARAMS[0]].shape[0]
-    target = copy.deepcopy(config)  # Megatron-LM pads the vocabulary for the target tp
-    target.parallel.tensor_model_parallel_size = tp
-    padded = target.padded_vocab_size(m.vocab_size or rows)
-    full = {k: resize_vocab(v, padded) if k in VOCAB_PARAMS else v for k, v in full.items()}
-    iteration = int(os.path.basename(checkpoint_iteration_dir(args.load, args.iteration))[len("iter_"):])
-    common, optimizer = _our_run_state(args.load, args.iteration, config)
-    optimizer = {k: resize_vocab(v, padded) if k.endswith(VOCAB_PARAMS) else v for k, v in optimizer.items()}
-    extra: dict = {}
-    if common.get("scheduler") is not None:
-        extra["opt_param_scheduler"] = mf.scheduler_to_megatron(common["scheduler"], config)
-    consumed = int(common.get("consumed_samples") or 0)
-    per_layer = names.to_megatron_layers(full, m, args.layer_spec, sharded=args.ckpt_format == "torch_dist")
-    if args.ckpt_format == "torch":
-        mf.save_legacy(args.save, iteration, config, per_layer, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec,
-                       experts=args.moe_experts, consumed_samples=consumed, extra=extra)
-        carried = "no optimizer state (the legacy files of a distributed optimizer keep it apart)"
-    else:
-        mglobal = names.stack_layers(per_layer, m.num_layers) if names.is_stacked(m) else per_layer
-        if optimizer:
-            mglobal.update(_optimizer_to_megatron(optimizer, full, config, args.layer_spec))
-            extra["optimizer"] = mf.optimizer_common((common.get("optimizer") or {}).get("step"), config)
-        mf.save_torch_dist(args.save, iteration, config, mglobal, padded, tp=tp, pp=pp, ep=ep, spec=args.layer_spec,
-                           consumed_samples=consumed, extra=extra)
-        carried = "with its optimizer state" if optimizer else "no optimizer state (the source holds none)"
-    print(f"wrote a Megatron-LM {args.ckpt_format} checkpoint (iteration {iteration}, tp {tp}, pp {pp}, ep {ep}, "
-          f"{args.layer_spec} layer spec; {carried}) to {args.save}")
+    print(export_to_megatron(args.load, args.save, args.iteration, ckpt_format=args.ckpt_format, spec=args.layer_spec,
+                             experts=args.moe_experts, tp=args.target_tensor_parallel_size,
+                             pp=args.target_pipeline_model_parallel_size, ep=args.target_expert_model_parallel_size))
 
 
 def from_megatron(args: argparse.Namespace) -> None:
@@ -142,7 +76,7 @@ def from_megatron(args: argparse.Namespace) -> None:
     padded = config.padded_vocab_size(config.model.vocab_size)
     full = {k: resize_vocab(v, padded) if k.endswith(VOCAB_PARAMS) else v for k, v in full.items()}
     iteration = int(os.path.basename(it_dir)[len("iter_"):])
-    schedule, step = saved_schedule(megatron), mf.optimizer_step_of(megatron.common.get("optimizer"))
+    schedule, step = saved_schedule(megatron), saved_step(megatron)
     from megatron_like.training.dist_checkpointing import save_full_state
 
     save_full_state(args.save, iteration, config, full, extra={

@@ -31,6 +31,10 @@ class CheckpointConfig:
     """Format of new saves: torch_dist (torch.distributed.checkpoint global tensors, loads at any layout;
     Megatron's default) or torch (one file per tp x pp rank, loads only at the same layout); --load
     detects the format (docs/checkpoints.md)."""
+    ckpt_naming: Literal["ours", "megatron"] = "ours"
+    """Names and files of new saves: ours, or megatron: Megatron-LM's own checkpoint (Megatron-core's names and
+    fused layouts, its common state, optimizer, scheduler and RNG entries) in --ckpt-format torch_dist or its legacy
+    torch files, at this run's layout, which Megatron-LM and --load here both resume (docs/checkpoints.md)."""
     async_save: bool = False
     """torch_dist only: copy the state to host memory, then write it in a background thread while training
     goes on; the next save and the end of training wait for it."""
@@ -66,5 +70,7 @@ class CheckpointConfig:
         _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
                  "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: "
                  "pass one (this run's lr flags, or the checkpoint's schedule)")
+        _require(not self.async_save or self.ckpt_naming == "ours",
+                 "--async-save writes our own naming only; drop it with --ckpt-naming megatron")
         _require(not self.async_save or self.ckpt_format == "torch_dist",
                  "--async-save writes torch_dist checkpoints only; drop --ckpt-format torch")

@@ -55,6 +55,7 @@ from megatron_like.config import ModelConfig
 from megatron_like.inference import hf_llama
 from megatron_like.inference.hf_gpt2 import finish_full_state
 from megatron_like.inference.hf_mixtral import experts_from_hf, experts_to_hf
+from megatron_like.model.multi_latent_attention import reorder_rope_rows
 from megatron_like.model.rotary import rope_scaling_of
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -219,16 +220,6 @@ def model_config_from_hf(cfg: dict, weight_names: Collection[str] | None = None)
 
 
 # ---------------------------------------------------------------- tensors
-def _reorder_rope_rows(weight: torch.Tensor, heads: int, rope_dim: int, to_ours: bool) -> torch.Tensor:
-    """``weight [heads * d, in]`` with the last ``rope_dim`` rows of each head's ``d`` reordered: HF's interleaved
-    pairs to our halves (evens first, then odds; ``to_ours``) or back."""
-    evens_then_odds = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)]).to(weight.device)
-    order = evens_then_odds if to_ours else torch.argsort(evens_then_odds)
-    per_head = weight.reshape(heads, -1, weight.shape[-1]).clone()
-    per_head[:, -rope_dim:] = per_head[:, -rope_dim:][:, order]
-    return per_head.reshape(weight.shape)
-
-
 def _rope_heads(model: ModelConfig, ours: str) -> int | None:
     """Heads whose rope rows attention weight ``ours`` holds (None: no rope rows)."""
     return {"q_up.weight": model.num_attention_heads, "q_proj.weight": model.num_attention_heads,
@@ -244,7 +235,7 @@ def _layer_to_hf(full: dict[str, torch.Tensor], ours: str, hf: str, model: Model
         if ours + "attention." + name in full:
             tensor, heads = full[ours + "attention." + name], _rope_heads(model, name)
             if heads is not None:
-                tensor = _reorder_rope_rows(tensor, heads, model.qk_pos_emb_head_dim, to_ours=False)
+                tensor = reorder_rope_rows(tensor, heads, model.qk_pos_emb_head_dim, to_ours=False)
             out[hf + "self_attn." + hf_name] = tensor
     mlp = "mlp.shared_experts." if moe else "mlp."
     gate, up = hf_llama.swiglu_to_hf(full[ours + mlp + "fc1.weight"])
@@ -288,7 +279,7 @@ def _layer_from_hf(hf_state: dict[str, torch.Tensor], hf: str, ours: str, model:
         if hf + "self_attn." + hf_name in hf_state:
             tensor, heads = hf_state[hf + "self_attn." + hf_name], _rope_heads(model, name)
             if heads is not None and interleaved:
-                tensor = _reorder_rope_rows(tensor, heads, model.qk_pos_emb_head_dim, to_ours=True)
+                tensor = reorder_rope_rows(tensor, heads, model.qk_pos_emb_head_dim, to_ours=True)
             out[ours + "attention." + name] = tensor
     mlp = "mlp.shared_experts." if moe else "mlp."
     out[ours + mlp + "fc1.weight"] = hf_llama.swiglu_from_hf(hf_state[hf + mlp + "gate_proj.weight"],

@@ -56,6 +56,17 @@ from megatron_like.tensor_parallel.initialization import draw_slice
 from megatron_like.tensor_parallel.random import checkpoint
 
 
+def reorder_rope_rows(weight: torch.Tensor, heads: int, rope_dim: int, to_ours: bool) -> torch.Tensor:
+    """``weight [heads * d, in]`` with the last ``rope_dim`` rows of each head's ``d`` reordered: DeepSeek's
+    interleaved pairs (HF's ``rope_interleave``, Megatron-core's MLA) to our halves (evens first, then odds;
+    ``to_ours``) or back."""
+    evens_then_odds = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)]).to(weight.device)
+    order = evens_then_odds if to_ours else torch.argsort(evens_then_odds)
+    per_head = weight.reshape(heads, -1, weight.shape[-1]).clone()
+    per_head[:, -rope_dim:] = per_head[:, -rope_dim:][:, order]
+    return per_head.reshape(weight.shape)
+
+
 class DuplicatedLinear(nn.Module):
     """``x W^T`` with ``W [out, in]`` held whole by every tp rank (drawn from its own generator by ``name``).
 

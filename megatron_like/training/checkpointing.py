@@ -186,6 +186,10 @@ def save_checkpoint(root: str, iteration: int, config: Config, ps: ParallelState
     must hold full parameters (at ZeRO-3, call it inside ``gathered_parameters(model)``).
     ``--ckpt-format torch_dist`` saves through ``dist_checkpointing.py`` instead (no gathering needed).
     """
+    if config.checkpoint.ckpt_naming == "megatron":
+        from megatron_like.training.megatron_export import save_in_megatron_naming  # it imports this module
+
+        return save_in_megatron_naming(root, iteration, config, ps, model, optimizer, scheduler, consumed_samples)
     if config.checkpoint.ckpt_format == "torch_dist":
         from megatron_like.training import dist_checkpointing  # it imports this module
 

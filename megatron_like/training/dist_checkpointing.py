@@ -196,10 +196,12 @@ def _process_group_or_none() -> Iterator[bool]:
         yield not comm.is_initialized()
 
 
-def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None) -> None:
+def _dcp_save(state: dict[str, Any], path: str, group: comm.Group = None, alone: bool = False) -> None:
     """DCP's save of ``state`` into iteration directory ``path``; a failed write on any rank is the same one-line
-    CheckpointError on every rank (DCP gathers every rank's result)."""
+    CheckpointError on every rank (DCP gathers every rank's result). ``alone``: written by this process only
+    (also inside a distributed run)."""
     with _process_group_or_none() as no_dist, ckpt.checksummed_saves():
+        no_dist = no_dist or alone
         try:
             dcp.save(state, storage_writer=FileSystemWriter(path), planner=_SavePlanner(), no_dist=no_dist,
                      process_group=group)
@@ -592,10 +594,10 @@ def save_full_state(root: str, iteration: int, config: Config, full: dict[str, t
 
 def write_global_state(path: str, state: dict[str, Any]) -> None:
     """Write whole tensors (each one piece at offset 0) and plain values (bytes) as a DCP checkpoint into
-    directory ``path``, in this one process."""
+    directory ``path``, in this one process (also one rank of a distributed run)."""
     os.makedirs(path, exist_ok=True)
     _dcp_save({k: GlobalPieces(tuple(t.shape), [((0,) * t.ndim, t)]) if isinstance(t, torch.Tensor) and t.ndim
-               else t.clone() if isinstance(t, torch.Tensor) else t for k, t in state.items()}, path)
+               else t.clone() if isinstance(t, torch.Tensor) else t for k, t in state.items()}, path, alone=True)
 
 
 def read_full_tensors(root: str, keys: list[str], iteration: int | None = None) -> dict[str, torch.Tensor]:

@@ -285,8 +285,9 @@ def _full_params_for_save(config: Config, model: list[nn.Module]) -> contextlib.
     """The torch format saves full parameters (gathered at ZeRO-3); torch_dist writes from each rank's shards.
 
     Both first finish the gathers of updated params that ``--overlap-param-gather`` leaves to the next forward.
+    ``--ckpt-naming megatron`` saves through torch_dist whatever the format (megatron_export.py).
     """
-    if config.checkpoint.ckpt_format == "torch":
+    if config.checkpoint.ckpt_format == "torch" and config.checkpoint.ckpt_naming == "ours":
         return gathered_parameters(model)
     for chunk in model:
         buffer = getattr(chunk, "param_and_grad_buffer", None)

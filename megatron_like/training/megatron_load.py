@@ -7,10 +7,11 @@ torch_dist checkpoint, ``optimizer.{exp_avg,exp_avg_sq,master}.<name>``, the key
 checkpoints. Each rank then copies the pieces its layout holds (``model/sharded_state.py``,
 ``optimizer/sharded_state.py``), so any tp / pp / ep / dp / ZeRO layout loads it. Read with it: the iteration,
 the consumed samples (``args.consumed_train_samples``), the lr schedule (``opt_param_scheduler``, counted in samples
-there, in iterations here) and AdamW's step count. Not read: Megatron-LM's RNG states (the generators stay seeded
-from --seed), the optimizer state of its legacy files (Megatron's own parameter order; --no-load-optim) and of its
-``dp_reshardable`` distributed-optimizer layout. Every rank holds the whole model in host memory while it loads:
-for a model larger than that, convert offline (tools/convert_megatron.py).
+there, in iterations here), AdamW's step count and, at the checkpoint's tensor x pipeline layout, each rank's RNG
+states (``rng_state``), and the optimizer state of its legacy files (``megatron_legacy_optim.py``). Not read: its
+distributed optimizer's legacy ``distrib_optim.pt`` and its ``dp_reshardable`` torch_dist layout (--no-load-optim).
+Every rank holds the whole model in host memory while it loads: for a model larger than that, convert offline
+(tools/convert_megatron.py).
 """
 
 from __future__ import annotations
@@ -90,13 +91,16 @@ def open_megatron(it_dir: str, kind: str) -> MegatronCheckpoint:
 
 
 def read_global_state(checkpoint: MegatronCheckpoint, with_optimizer: bool) -> dict[str, torch.Tensor]:
-    """Our global state of a Megatron-LM checkpoint: ``model.<name>`` and (torch_dist, ``with_optimizer``)
+    """Our global state of a Megatron-LM checkpoint: ``model.<name>`` and (``with_optimizer``)
     ``optimizer.<kind>.<name>`` for every optimizer tensor it holds, at its padded vocabulary."""
     m = checkpoint.config.model
     try:
         if checkpoint.kind == "torch":
-            full = names.from_megatron_layers(mf.load_legacy(checkpoint.path, checkpoint.args, m), m)
-            return {"model." + k: v for k, v in full.items()}
+            parts, _ = mf.load_legacy(checkpoint.path, checkpoint.args, m, with_optimizer)
+            out = {"model." + k: v for k, v in names.from_megatron_layers(parts.pop("model"), m).items()}
+            for kind, part in parts.items():
+                out.update({f"optimizer.{kind}.{k}": v for k, v in names.from_megatron_layers(part, m).items()})
+            return out
         model_keys, optimizer_keys = mf.model_and_optimizer_keys(checkpoint.path)
         tensors = mf.load_torch_dist(checkpoint.path, model_keys + (optimizer_keys if with_optimizer else []))
         out = {"model." + k: v for k, v in names.from_megatron_global({k: tensors[k] for k in model_keys}, m).items()}
@@ -109,6 +113,48 @@ def read_global_state(checkpoint: MegatronCheckpoint, with_optimizer: bool) -> d
         return out
     except KeyError as error:
         raise ckpt.CheckpointError(f"{checkpoint.path}: {str(error).strip(chr(39))}") from None
+
+
+def read_megatron_rng(checkpoint: MegatronCheckpoint, tp_rank: int, pp_rank: int, dp_rank: int = 0
+                      ) -> dict[str, Any] | None:
+    """Our RNG state (``checkpointing.set_rng_state``'s) of rank (tp, pp, dp) of the checkpoint's own layout, from its
+    ``rng_state``: a ShardedObject per (pp, tp) in torch_dist, an entry of each ``mp_rank`` file in the legacy
+    format; a list of one item (every dp rank's), or of one per dp rank (``--data-parallel-random-init``). None when
+    it holds none (``--no-save-rng``). Read with the weights-only unpickler (numpy's generator allowed)."""
+    args = checkpoint.args
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    try:
+        if checkpoint.kind == "torch_dist":
+            key = mf.rng_object_key(tp_rank, pp_rank, tp, pp)
+            from megatron_like.training.checkpoint_integrity import read_dcp_metadata
+
+            if key not in read_dcp_metadata(checkpoint.path).state_dict_metadata:
+                return None
+            with torch.serialization.safe_globals(mf.safe_globals()):
+                states = mf.load_torch_dist(checkpoint.path, [key])[key]
+        else:
+            ep = getattr(args, "expert_model_parallel_size", 1) or 1
+            path = os.path.join(checkpoint.path, mf.legacy_dir_name(tp_rank, pp_rank, pp, 0, ep), mf.FILE)
+            states = mf.read_megatron_file(path, mmap=True, verify=False).get("rng_state")
+        if not states:
+            return None
+        return mf.rng_from_megatron(states[dp_rank] if len(states) > 1 else states[0])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise ckpt.CheckpointError(f"{checkpoint.path}: the RNG state of tp rank {tp_rank}, pp rank {pp_rank} is not "
+                                   f"Megatron-LM's ({type(error).__name__}: {error}); pass --no-load-rng") from None
+
+
+def saved_step(checkpoint: MegatronCheckpoint) -> float | None:
+    """AdamW's step count of the checkpoint's optimizer (None: it holds none): torch_dist's ``common.pt``, or the
+    legacy ``optimizer`` entry of its first file."""
+    entry = checkpoint.common.get("optimizer")
+    if checkpoint.kind == "torch_dist" or entry is None:
+        return mf.optimizer_step_of(entry)
+    from megatron_like.training.megatron_legacy_optim import read_optimizer_entry
+
+    first = sorted(d for d in os.listdir(checkpoint.path) if d.startswith("mp_rank_"))[0]
+    path = os.path.join(checkpoint.path, first, mf.FILE)
+    return read_optimizer_entry(mf.read_megatron_file(path, mmap=True, verify=False)["model"], entry, path)[1]
 
 
 def saved_schedule(checkpoint: MegatronCheckpoint) -> dict[str, Any] | None:
@@ -132,11 +178,14 @@ def check_megatron_checkpoint(checkpoint: MegatronCheckpoint, config: Config) ->
         raise ckpt.CheckpointError(f"Megatron-LM checkpoint {checkpoint.path} has --lr-decay-style "
                                    f"{schedule.get('lr_decay_style')}, not implemented here (constant, linear, "
                                    "cosine); pass --finetune to start a new schedule from its weights")
-    if config.checkpoint.load_optim and checkpoint.common.get("optimizer") is not None:
-        if checkpoint.kind == "torch":
-            raise ckpt.CheckpointError(f"Megatron-LM checkpoint {checkpoint.path} is in the legacy torch format, "
-                                       "whose optimizer state (in Megatron-LM's parameter order) is not read here; "
-                                       "pass --no-load-optim (weights, iteration and lr schedule are read)")
+    if config.checkpoint.load_optim and checkpoint.kind == "torch":
+        first = os.path.join(checkpoint.path, sorted(d for d in os.listdir(checkpoint.path)
+                                                     if d.startswith("mp_rank_"))[0])
+        if os.path.isfile(os.path.join(first, "distrib_optim.pt")):
+            raise ckpt.CheckpointError(f"Megatron-LM checkpoint {checkpoint.path} holds its distributed optimizer's "
+                                       "legacy distrib_optim.pt (flat buffers of its grad buckets), not read here; "
+                                       "pass --no-load-optim (weights, iteration, lr schedule and RNG are read)")
+    elif config.checkpoint.load_optim and checkpoint.common.get("optimizer") is not None:
         mf.model_and_optimizer_keys(checkpoint.path)  # refuses a dp_reshardable distributed optimizer
 
 
@@ -170,9 +219,8 @@ def load_megatron_checkpoint(it_dir: str, kind: str, config: Config, ps: Paralle
     notice = resume_notice(checkpoint.config.to_dict(), schedule, config, scheduler is not None)  # or refuse
     if notice and ps.rank == 0:
         print(notice, flush=True)
-    step = mf.optimizer_step_of(checkpoint.common.get("optimizer"))
-    load_optim = (optimizer is not None and config.checkpoint.load_optim and not finetune and kind == "torch_dist"
-                  and step is not None)
+    step = saved_step(checkpoint)
+    load_optim = optimizer is not None and config.checkpoint.load_optim and not finetune and step is not None
     tensors = read_global_state(checkpoint, with_optimizer=load_optim)
     shapes = {k: tuple(t.shape) for k, t in tensors.items()}
     multiples = _vocab_multiples(checkpoint, config)
@@ -196,8 +244,14 @@ def load_megatron_checkpoint(it_dir: str, kind: str, config: Config, ps: Paralle
         install(step)
     if scheduler is not None and schedule is not None:
         scheduler.load_state_dict(schedule)
-    if config.checkpoint.load_rng and ps.rank == 0:
-        print(" > Megatron-LM checkpoint: its RNG states are not read; the generators stay seeded from --seed",
-              flush=True)
+    if config.checkpoint.load_rng:
+        same_layout = (checkpoint.args.tensor_model_parallel_size, checkpoint.args.pipeline_model_parallel_size) == (
+            ps.tp_size, ps.pp_size)
+        generators = read_megatron_rng(checkpoint, ps.tp_rank, ps.pp_rank, ps.dp_rank) if same_layout else None
+        if generators is not None:
+            ckpt.set_rng_state(generators)
+        elif ps.rank == 0:
+            print(" > Megatron-LM checkpoint: its RNG states are not read (none saved, or another tensor/pipeline "
+                  "layout); the generators stay seeded from --seed", flush=True)
     iteration = int(checkpoint.common.get("iteration", 0))
     return iteration, int(getattr(checkpoint.args, "consumed_train_samples", 0) or 0)

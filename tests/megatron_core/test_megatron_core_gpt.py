@@ -170,3 +170,127 @@ def test_we_load_a_checkpoint_megatron_core_saved(tmp_path, megatron_core, kind)
     for name in ours:
         assert torch.equal(full[name], ours[name]), name
     torch.testing.assert_close(our_logits(str(tmp_path / "mlm")), megatron_logits(model), rtol=2e-4, atol=2e-4)
+
+
+def megatron_core_optimizer(model):
+    """Megatron-core's own optimizer of ``model`` as Megatron-LM builds it by default (non-distributed, AdamW; fp32
+    params: its FP32Optimizer), its few CUDA-only tensors (a loss-scale constant) made on the CPU."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    tensor = torch.tensor
+
+    def on_cpu(*args, **kwargs):
+        return tensor(*args, **{**kwargs, "device": "cpu"} if kwargs.get("device") == "cuda" else kwargs)
+
+    torch.tensor = on_cpu
+    try:
+        return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01,
+                                                      use_distributed_optimizer=False), [ddp])
+    finally:
+        torch.tensor = tensor
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_megatron_core_optimizer_and_ours_read_each_others_legacy_optimizer_entry(tmp_path, megatron_core, kind):
+    """Our legacy file's ``optimizer`` entry loads into Megatron-core's own optimizer (``load_state_dict``): each of
+    its parameters gets our moments and step; and its ``state_dict()`` after a step of its own reads back here
+    (``read_optimizer_entry``) as its per-parameter state."""
+    from megatron_like.training import megatron_format as mf
+    from megatron_like.training.megatron_legacy_optim import read_optimizer_entry
+    from tests.unit.test_megatron_load import _save_ours_with_optimizer
+
+    ours = _save_ours_with_optimizer(tmp_path / "ours", kind)
+    convert_megatron.main(["--direction", "to-megatron", "--load", str(tmp_path / "ours"), "--save",
+                           str(tmp_path / "mlm"), "--ckpt-format", "torch"])
+    saved = mf.read_megatron_file(str(tmp_path / "mlm" / "iter_0000007" / "mp_rank_00" / mf.FILE))
+    model = build_megatron_gpt(kind)
+    model.load_state_dict(saved["model"], strict=False)
+    optimizer = megatron_core_optimizer(model)
+    optimizer.load_state_dict(saved["optimizer"])
+    adamw = optimizer.chained_optimizers[0].optimizer
+    params = dict(model.named_parameters())
+    theirs = {name: adamw.state[param]["exp_avg"] for name, param in params.items()}
+    expected = names.to_megatron_layers({k[len("optimizer.exp_avg."):]: v for k, v in ours.items()
+                                         if k.startswith("optimizer.exp_avg.")}, MODELS[kind], sharded=False)
+    assert sorted(theirs) == sorted(expected)
+    for name, moment in theirs.items():
+        assert torch.equal(moment, expected[name]), name
+    assert {float(adamw.state[p]["step"]) for p in params.values()} == {7.0}
+
+    for param in params.values():
+        param.grad = torch.randn_like(param)
+    adamw.step()
+    moments, step = read_optimizer_entry(saved["model"], optimizer.state_dict(), "its state_dict")
+    assert step == 8.0 and sorted(moments) == ["exp_avg", "exp_avg_sq"]
+    for name, param in params.items():
+        assert torch.equal(moments["exp_avg_sq"][name], adamw.state[param]["exp_avg_sq"]), name
+
+
+@contextlib.contextmanager
+def mla_without_transformer_engine():
+    """Megatron-core's MLA layer built without Transformer Engine, for its names only: its TE classes (compared with
+    ``isinstance``) become empty stand-ins, and the local attention core ignores the MLA head sizes it does not
+    take (it has no parameters; nothing here runs it)."""
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer import dot_product_attention as dpa
+
+    saved = dict(vars(mla)), dpa.DotProductAttention.__init__
+    for name in ("TELinear", "TEColumnParallelLinear", "TELayerNormColumnParallelLinear"):
+        if not isinstance(getattr(mla, name, None), type):
+            setattr(mla, name, type(name, (), {}))
+
+    def without_head_sizes(self, *args, k_channels=None, v_channels=None, **kwargs):
+        saved[1](self, *args, **kwargs)
+
+    dpa.DotProductAttention.__init__ = without_head_sizes
+    try:
+        yield
+    finally:
+        vars(mla).update(saved[0])
+        dpa.DotProductAttention.__init__ = saved[1]
+
+
+def test_megatron_cores_deepseek_v3_keys_are_the_ones_written_down(megatron_core):
+    """Megatron-core's own GPTModel of the DeepSeek-V3-shaped model (MLA, local spec; MoE on layer 1 with a shared
+    expert, sigmoid routing with the expert bias; one MTP depth): its ``sharded_state_dict`` keys and global shapes
+    are tests/unit/test_megatron_names.py's list, our export holds its ``_extra_state`` objects, and its parameters
+    come in the order our legacy files use."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_like.training.megatron_format import extra_state_keys, module_order
+    from tests.unit.test_megatron_names import EXPECTED
+
+    m = MODELS["deepseek_v3"]
+    config = MLATransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, use_cpu_initialization=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+        qk_layernorm=True, rope_type="rope", num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_size, moe_layer_freq=[0, 1], moe_shared_expert_intermediate_size=8,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, mtp_num_layers=1)
+    with mla_without_transformer_engine():
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
+        model = GPTModel(config, block, vocab_size=64, max_sequence_length=m.max_positions,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                         mtp_block_spec=mtp)
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    keys, objects = {}, set()
+    for value in model.sharded_state_dict().values():  # SwiGLU fc1s are factories: the tensors they build
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        keys.update({t.key: tuple(t.global_shape) for t in built if isinstance(t, ShardedTensor)})
+        objects.update(t.unique_key for t in built if isinstance(t, ShardedObject))
+    assert keys == EXPECTED["deepseek_v3", "local"]
+    # its _extra_state objects are in our export, but for its SequentialMLP's per-expert linears (built here without
+    # the grouped_gemm package; our args declare --moe-grouped-gemm, whose GroupedMLP holds none)
+    sequential = {k for k in objects if ".mlp.experts.experts.linear_fc" in k}
+    assert sequential and objects - sequential <= set(extra_state_keys(m, "local"))
+    decoder = [n for n, _ in model.named_parameters() if not n.startswith("mtp.")]
+    assert decoder == sorted(decoder, key=module_order)

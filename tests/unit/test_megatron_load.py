@@ -31,9 +31,11 @@ SCHEDULE = {"num_steps": 7, "max_lr": 1e-3, "min_lr": 1e-5, "warmup_iters": 2, "
             "decay_style": "cosine"}
 
 
-def _save_ours_with_optimizer(root, kind: str) -> dict[str, torch.Tensor]:
-    """Our torch_dist checkpoint of a tiny ``kind`` model at iteration 7 with random AdamW moments, an lr schedule,
-    a step count and consumed samples; returns its global state (``model.*``, ``optimizer.*``)."""
+def _save_ours_with_optimizer(root, kind: str, masters: bool = False, rng: dict | None = None
+                              ) -> dict[str, torch.Tensor]:
+    """Our torch_dist checkpoint of a tiny ``kind`` model at iteration 7 with random AdamW moments (and fp32
+    masters, as a bf16 run's), an lr schedule, a step count and consumed samples; returns its global state
+    (``model.*``, ``optimizer.*``)."""
     config = Config()
     config.model = MODELS[kind]
     config.data.mock_data = True
@@ -42,10 +44,10 @@ def _save_ours_with_optimizer(root, kind: str) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     state = {"model." + k: v for k, v in full_state_of(kind).items()}
     for name, tensor in list(state.items()):
-        for moment in ("exp_avg", "exp_avg_sq"):
+        for moment in ("exp_avg", "exp_avg_sq") + (("master",) if masters else ()):
             state[f"optimizer.{moment}.{name[len('model.'):]}"] = torch.randn(tensor.shape, generator=generator)
-    save_full_state(str(root), 7, config, state, extra={"consumed_samples": 28, "scheduler": SCHEDULE,
-                                                        "optimizer": {"step": 7.0, "loss_scaler": None}})
+    save_full_state(str(root), 7, config, {**state, **(rng or {})}, extra={
+        "consumed_samples": 28, "scheduler": SCHEDULE, "optimizer": {"step": 7.0, "loss_scaler": None}})
     return state
 
 
@@ -78,16 +80,27 @@ def test_optimizer_keys_scheduler_and_step_in_megatron_naming(tmp_path):
     assert [g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [7.0, 7.0]
 
 
-@pytest.mark.parametrize("kind, spec", [("llama", "te"), ("mixtral", "local")])
-def test_optimizer_state_round_trip_is_bit_identical(tmp_path, kind, spec):
+LEGACY_LAYOUT = ["--ckpt-format", "torch", "--target-tensor-parallel-size", "2",
+                 "--target-pipeline-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("kind, spec, flags, masters", [
+    ("llama", "te", [], False), ("mixtral", "local", [], False),
+    # legacy files: each rank's optimizer entry, tied embedding's last-stage copy, experts' own optimizer at ep 2
+    ("gpt2", "local", LEGACY_LAYOUT, False), ("mixtral", "local", LEGACY_LAYOUT + ["--moe-experts", "sequential",
+                                                                                 "--target-expert-model-parallel-size",
+                                                                                 "2"], True)])
+def test_optimizer_state_round_trip_is_bit_identical(tmp_path, kind, spec, flags, masters):
     """Moments go through the same fused layouts as the weights (SwiGLU gate/up, experts transposed, stacking)."""
-    ours = _save_ours_with_optimizer(tmp_path / "ours", kind)
-    _to_megatron(tmp_path, "--layer-spec", spec)
+    ours = _save_ours_with_optimizer(tmp_path / "ours", kind, masters)
+    _to_megatron(tmp_path, "--layer-spec", spec, *flags)
     convert_megatron.main(["--direction", "from-megatron", "--load", str(tmp_path / "mlm"), "--save",
                            str(tmp_path / "back")])
     back_dir = str(tmp_path / "back" / "iter_0000007")
     keys = sorted(read_dcp_metadata(back_dir).state_dict_metadata)
-    assert keys == sorted(set(ours) | {"optimizer.master." + k[len("model."):] for k in ours if k.startswith("model.")})
+    # torch_dist keeps fp32 masters for an fp32 model too (its params); the legacy FP32Optimizer keeps none
+    fp32_params = {"optimizer.master." + k[len("model."):] for k in ours if k.startswith("model.") and not flags}
+    assert keys == sorted(set(ours) | fp32_params)
     back = read_full_tensors(str(tmp_path / "back"), keys, 7)
     for key, tensor in ours.items():
         assert torch.equal(back[key], tensor), key
@@ -115,12 +128,77 @@ def _run_config(**model_changes) -> Config:
     return config
 
 
+# megatron-core 0.16.1's GPTModel (local spec, CPU) named_parameters of the gpt2 model, as seen from it: the order of
+# the legacy files' model entries and of the non-distributed optimizer's parameters
+GPT2_PARAMETERS = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"] + [
+    f"decoder.layers.{i}.{rest}" for i in range(2) for rest in (
+        "input_layernorm.weight", "input_layernorm.bias", "self_attention.linear_proj.weight",
+        "self_attention.linear_proj.bias", "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+        "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias", "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+        "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")] + ["decoder.final_layernorm.weight",
+                                                            "decoder.final_layernorm.bias"]
+
+
+def test_legacy_optimizer_entry_in_megatron_lms_order(tmp_path):
+    """What Megatron-LM's default (non-distributed) optimizer saves in a legacy file, seen from megatron-core 0.16.1
+    on CPU: torch AdamW's state dict, parameters numbered through the groups (decayed, then biases and 1-D), each
+    group in the model's parameter order, a ``step`` per parameter; tp rank 1 holds its slices."""
+    from megatron_like.training.megatron_legacy_optim import parameter_names
+
+    ours = _save_ours_with_optimizer(tmp_path / "ours", "gpt2")
+    _to_megatron(tmp_path, "--ckpt-format", "torch", "--target-tensor-parallel-size", "2")
+    saved = mf.read_megatron_file(str(tmp_path / "mlm" / "iter_0000007" / "mp_rank_01" / mf.FILE))
+    assert parameter_names(saved["model"]) == GPT2_PARAMETERS
+    entry = saved["optimizer"]
+    assert [(g["wd_mult"], g["params"]) for g in entry["param_groups"]] == [(1.0, list(range(10))),
+                                                                         (0.0, list(range(10, 28)))]
+    decayed = [n for n in GPT2_PARAMETERS if n.endswith("weight") and "norm" not in n]
+    fc1 = entry["state"][decayed.index("decoder.layers.1.mlp.linear_fc1.weight")]
+    assert float(fc1["step"]) == 7.0
+    assert torch.equal(fc1["exp_avg"], ours["optimizer.exp_avg.layers.1.mlp.fc1.weight"].chunk(2)[1])
+    bias = entry["state"][10 + [n for n in GPT2_PARAMETERS if n not in decayed].index(
+        "decoder.layers.0.self_attention.linear_proj.bias")]
+    assert torch.equal(bias["exp_avg_sq"], ours["optimizer.exp_avg_sq.layers.0.attention.proj.bias"])
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_rng_states_travel_as_megatron_lms_rng_state(tmp_path, fmt):
+    """Our generators (data-parallel rank 0's) become Megatron-LM's ``rng_state`` (training/checkpointing.py
+    ``get_rng_state``: python's and numpy's states as they return them, torch's, the tracker's) and come back equal."""
+    import random
+
+    import numpy as np
+
+    from megatron_like.tensor_parallel import seed_everything
+    from megatron_like.training.checkpointing import rng_state
+    from megatron_like.training.megatron_load import read_megatron_rng
+
+    seed_everything(77, tp_rank=0, pp_rank=0)
+    random.random(), np.random.rand(3), torch.rand(5)  # noqa: B018 - generators away from their seeded start
+    generators = rng_state()
+    _save_ours_with_optimizer(tmp_path / "ours", "gpt2", rng={"rng.tp0.pp0.dp0": generators})
+    _to_megatron(tmp_path, "--ckpt-format", fmt)
+    it_dir = str(tmp_path / "mlm" / "iter_0000007")
+    if fmt == "torch":
+        entry = mf.read_megatron_file(os.path.join(it_dir, "mp_rank_00", mf.FILE))["rng_state"]
+        assert len(entry) == 1 and sorted(entry[0]) == ["np_rng_state", "random_rng_state", "rng_tracker_states",
+                                                        "torch_rng_state"]
+        version, python_keys, _ = entry[0]["random_rng_state"]  # random.getstate()'s (3, keys and position, gauss)
+        assert version == 3 and list(python_keys) == generators["python"]
+        assert entry[0]["np_rng_state"][0] == "MT19937" and entry[0]["np_rng_state"][1].dtype == np.uint32
+    back = read_megatron_rng(open_megatron(it_dir, fmt), 0, 0)
+    assert back["python"] == generators["python"] and back["numpy_pos"] == generators["numpy_pos"]
+    assert torch.equal(back["numpy_keys"], generators["numpy_keys"]) and torch.equal(back["torch"], generators["torch"])
+    assert back["tracker"].keys() == generators["tracker"].keys() == {"model-parallel-rng"}
+    assert torch.equal(back["tracker"]["model-parallel-rng"], generators["tracker"]["model-parallel-rng"])
+
+
 def test_refusals_are_one_line(tmp_path):
     _save_ours_with_optimizer(tmp_path / "ours", "gpt2")
     _to_megatron(tmp_path, "--ckpt-format", "torch")
     legacy = open_megatron(str(tmp_path / "mlm" / "iter_0000007"), "torch")
-    with pytest.raises(CheckpointError, match="legacy torch format, whose optimizer state .* pass --no-load-optim"):
-        legacy.common["optimizer"] = {"optimizer": {}}  # what Megatron-LM's legacy files hold
+    (tmp_path / "mlm" / "iter_0000007" / "mp_rank_00" / "distrib_optim.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="distributed optimizer's legacy distrib_optim.pt .* --no-load-optim"):
         check_megatron_checkpoint(legacy, _run_config())
     with pytest.raises(CheckpointError, match="has --num-layers 2 but this run has 3; pass the checkpoint's value"):
         check_megatron_checkpoint(legacy, _run_config(num_layers=3))

@@ -46,6 +46,42 @@ MODELS = {
     "moe_every_2nd_shared": ModelConfig(**LLAMA, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8,
                                         moe_layer_freq="2", moe_shared_expert_intermediate_size=8),
 }
+# DeepSeek-V3-shaped: MLA (q latent 8, kv latent 8, 4 heads of 4 + rope 4, values 4), a dense first layer then MoE
+# with a shared expert, sigmoid routing with the expert bias, one MTP depth
+_MLA = dict({k: v for k, v in LLAMA.items() if k not in ("group_query_attention", "num_query_groups")},
+            multi_latent_attention=True, q_lora_rank=8, kv_lora_rank=8, qk_head_dim=4, qk_pos_emb_head_dim=4,
+            v_head_dim=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_layer_freq="[0,1]",
+            moe_shared_expert_intermediate_size=8, moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True)
+MODELS["deepseek_v3"] = ModelConfig(**_MLA, mtp_num_layers=1)
+MODELS["deepseek_v3_no_mtp"] = ModelConfig(**_MLA)
+
+
+def _deepseek_v3_keys(spec: str) -> dict[str, tuple[int, ...]]:
+    """megatron-core 0.16.1's torch_dist keys of the DeepSeek-V3-shaped model (``models/gpt/gpt_layer_specs.py``
+    ``multi_latent_attention`` branches: a separate ``input_layernorm``, no ``sharded_state_dict_keys_map``;
+    ``transformer/multi_latent_attention.py``; ``transformer/moe/router.py``'s persistent ``expert_bias``;
+    ``transformer/multi_token_prediction.py``: ``mtp.layers.<d>.{enorm,hnorm,eh_proj,transformer_layer,
+    final_layernorm}``). Per-layer keys: ``moe_layer_freq`` is a list."""
+    te = spec == "te"
+    attention = {  # the latents' norms: q_layernorm / kv_layernorm (local), fused into the up-projections (TE)
+        "input_layernorm.weight": (16,), "self_attention.linear_q_down_proj.weight": (8, 16),
+        ("self_attention.linear_q_up_proj.layer_norm_weight" if te else "self_attention.q_layernorm.weight"): (8,),
+        "self_attention.linear_q_up_proj.weight": (32, 8), "self_attention.linear_kv_down_proj.weight": (12, 16),
+        ("self_attention.linear_kv_up_proj.layer_norm_weight" if te else "self_attention.kv_layernorm.weight"): (8,),
+        "self_attention.linear_kv_up_proj.weight": (32, 8), "self_attention.linear_proj.weight": (16, 16)}
+    dense = attention | {("mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"): (16,),
+                         "mlp.linear_fc1.weight": (64, 16), "mlp.linear_fc2.weight": (16, 32)}
+    moe = attention | {
+        "pre_mlp_layernorm.weight": (16,), "mlp.router.weight": (4, 16), "mlp.router.expert_bias": (4,),
+        "mlp.experts.experts.linear_fc1.weight": (4, 16, 16), "mlp.experts.experts.linear_fc2.weight": (4, 16, 8),
+        "mlp.shared_experts.linear_fc1.weight": (16, 16), "mlp.shared_experts.linear_fc2.weight": (16, 8)}
+    keys = {"embedding.word_embeddings.weight": (64, 16), "decoder.final_layernorm.weight": (16,),
+            "output_layer.weight": (64, 16), "mtp.layers.0.enorm.weight": (16,), "mtp.layers.0.hnorm.weight": (16,),
+            "mtp.layers.0.eh_proj.weight": (16, 32), "mtp.layers.0.final_layernorm.weight": (16,)}
+    keys |= {f"decoder.layers.0.{k}": v for k, v in dense.items()} | {f"decoder.layers.1.{k}": v
+                                                                     for k, v in moe.items()}
+    return keys | {f"mtp.layers.0.transformer_layer.{k}": v for k, v in moe.items()}
 
 # torch_dist keys and global shapes of megatron-core 0.16.1 (see the module docstring), per architecture and spec
 EXPECTED = {
@@ -234,6 +270,30 @@ def _save_ours(root, kind: str) -> dict[str, torch.Tensor]:
     return full
 
 
+EXPECTED |= {("deepseek_v3", spec): _deepseek_v3_keys(spec) for spec in names.SPECS}
+
+
+def test_mla_rope_rows_are_deepseeks_interleaved_pairs():
+    """Megatron-core's MLA rotates ``cat(t[0::2], t[1::2])`` of each head's rope slice (``rope_utils.py``
+    ``_apply_rotary_pos_emb_bshd`` with ``multi_latent_attention``): the converted rows, read that way, are ours."""
+    full, model = full_state_of("deepseek_v3"), MODELS["deepseek_v3"]
+    mega = names.to_megatron_layers(full, model, "local", sharded=True)
+    for ours, theirs, heads in (("attention.q_up.weight", "self_attention.linear_q_up_proj.weight", 4),
+                                ("attention.kv_down.weight", "self_attention.linear_kv_down_proj.weight", 1)):
+        rope = mega[f"decoder.layers.0.{theirs}"].reshape(heads, -1, 8 if heads == 4 else 16)[:, -4:]
+        read = torch.cat([rope[:, 0::2], rope[:, 1::2]], dim=1)
+        assert not torch.equal(read, rope)  # 4 rope rows: the two orders differ
+        assert torch.equal(read, full[f"layers.0.{ours}"].reshape(heads, -1, read.shape[-1])[:, -4:]), ours
+
+
+def test_mla_down_projections_split_over_tp_in_the_local_spec_only():
+    """Legacy files: ColumnParallelLinear (``gather_output=False``) in the local spec, TE's duplicated TELinear."""
+    model, q_down = MODELS["deepseek_v3_no_mtp"], torch.arange(8.0 * 16).reshape(8, 16)
+    name = "self_attention.linear_q_down_proj.weight"
+    assert torch.equal(names.split_tp_megatron(name, q_down, model, 2, 1, "local"), q_down[4:])
+    assert torch.equal(names.split_tp_megatron(name, q_down, model, 2, 1, "te"), q_down)
+
+
 ROUND_TRIPS = [  # (model, Megatron format, layer spec, expert style, tp, pp, ep)
     ("gpt2", "torch", "local", "grouped", 2, 2, 1),  # tied embedding: the last stage's copy
     ("gpt2", "torch_dist", "local", "grouped", 1, 1, 1),
@@ -246,6 +306,10 @@ ROUND_TRIPS = [  # (model, Megatron format, layer spec, expert style, tp, pp, ep
     ("mixtral", "torch_dist", "local", "grouped", 1, 1, 1),
     ("moe_every_2nd_shared", "torch", "local", "sequential", 2, 1, 2),
     ("moe_every_2nd_shared", "torch_dist", "te", "grouped", 1, 1, 1),
+    ("deepseek_v3", "torch_dist", "local", "grouped", 1, 1, 1),
+    ("deepseek_v3", "torch_dist", "te", "grouped", 2, 1, 1),
+    ("deepseek_v3_no_mtp", "torch", "local", "grouped", 2, 1, 1),
+    ("deepseek_v3_no_mtp", "torch", "te", "sequential", 2, 2, 2),
 ]
 
 
@@ -273,6 +337,7 @@ def test_round_trip_is_bit_identical(tmp_path, kind, fmt, spec, experts, tp, pp,
                            str(tmp_path / "back")])
     config, back = load_full_state(str(tmp_path / "back"))
     assert config.model.num_layers == 2 and config.parallel.tensor_model_parallel_size == tp
+    assert config.model.multi_latent_attention == MODELS[kind].multi_latent_attention
     assert sorted(back) == sorted(full)
     for name in full:
         assert torch.equal(back[name], full[name]), name
