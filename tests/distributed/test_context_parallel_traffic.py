@@ -1,7 +1,8 @@
 """The planner's context-parallel traffic (``planning.context_parallel``) against the bytes the attention layer
 actually sends (``collectives.count_traffic``) in one forward and backward at cp 4 on four ranks: each
---cp-comm-type (a2a+p2p as 2 x 2), the ring in bf16 (its dK/dV travel in float32), and the ring with packed
-documents (their ids all-gathered) under selective recomputation (the forward's exchanges run again)."""
+--cp-comm-type (a2a+p2p as 2 x 2), the ring in bf16 (its dK/dV travel in float32), the ring with packed
+documents (their ids all-gathered) under selective recomputation (the forward's exchanges run again), and
+multi-latent attention in each mode (full per-head keys of nope + rope features, values of a narrower head dim)."""
 
 from __future__ import annotations
 
@@ -13,18 +14,26 @@ import torch
 from megatron_like.config import Config, parse_config
 
 CP = 4
-FLAGS = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--group-query-attention",
-         "--num-query-groups", "4", "--position-embedding-type", "rope", "--seq-length", "64",
+FLAGS = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "8", "--position-embedding-type", "rope",
+         "--seq-length", "64",
          "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--vocab-size", "64",
          "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
          "--context-parallel-size", str(CP)]
+GQA = ["--group-query-attention", "--num-query-groups", "4"]
+MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4",
+       "--v-head-dim", "6"]
+A2A_P2P = ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"]
 CASES = {
-    "p2p": ["--cp-comm-type", "p2p"],
-    "all_gather": ["--cp-comm-type", "all_gather"],
-    "a2a": ["--cp-comm-type", "a2a"],
-    "a2a+p2p": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
-    "p2p-bf16": ["--cp-comm-type", "p2p", "--bf16"],
-    "p2p-documents-selective": ["--cp-comm-type", "p2p", "--recompute-granularity", "selective"],
+    "p2p": GQA + ["--cp-comm-type", "p2p"],
+    "all_gather": GQA + ["--cp-comm-type", "all_gather"],
+    "a2a": GQA + ["--cp-comm-type", "a2a"],
+    "a2a+p2p": GQA + A2A_P2P,
+    "p2p-bf16": GQA + ["--cp-comm-type", "p2p", "--bf16"],
+    "p2p-documents-selective": GQA + ["--cp-comm-type", "p2p", "--recompute-granularity", "selective"],
+    "mla-p2p-bf16": MLA + ["--cp-comm-type", "p2p", "--bf16"],
+    "mla-all_gather": MLA + ["--cp-comm-type", "all_gather"],
+    "mla-a2a": MLA + ["--cp-comm-type", "a2a"],
+    "mla-a2a+p2p": MLA + A2A_P2P,
 }
 
 
@@ -39,6 +48,7 @@ def measure(rank: int, world_size: int) -> dict[str, int]:
     """Bytes this rank sends in one attention layer's forward and backward, per case."""
     from megatron_like import collectives
     from megatron_like.model.context_parallel import split_for_context_parallel
+    from megatron_like.model.multi_latent_attention import MultiLatentAttention
     from megatron_like.model.transformer import SelfAttention
     from megatron_like.parallel_state import ParallelState
 
@@ -50,7 +60,8 @@ def measure(rank: int, world_size: int) -> dict[str, int]:
         config = case_config(case)
         ps.cp_comm_type = config.parallel.cp_comm_type
         dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
-        layer = SelfAttention(config.model, ps, 0, 1, False, dtype)
+        attention = MultiLatentAttention if config.model.multi_latent_attention else SelfAttention
+        layer = attention(config.model, ps, 0, 1, False, dtype)
         s, b = config.model.seq_length, config.training.micro_batch_size
         x = torch.randn(s // CP, b, 64, generator=torch.Generator().manual_seed(rank), dtype=dtype,
                         requires_grad=True)
