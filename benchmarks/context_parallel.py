@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
+from math import nan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LINE = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([0-9.]+) .*?"
@@ -41,10 +42,13 @@ def model_flags(seq_length: int, iters: int) -> list[str]:
     ]
 
 
-def run(nproc: int, flags: list[str]) -> tuple[float, float]:
-    """(median step ms, median peak live GiB) over the iterations after the first."""
-    command = [os.path.join(ROOT, ".venv", "bin", "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(ROOT, "pretrain_gpt.py"), *flags]
+def run(nproc: int, flags: list[str], allocator_counter: bool = False) -> tuple[float, float]:
+    """(median step ms, median peak live GiB) over the iterations after the first; ``allocator_counter``: the peak
+    from ``live_tensor_bytes.py``'s allocator counter instead of the profiler's allocation log."""
+    script = os.path.join(ROOT, "benchmarks", "live_tensor_bytes.py") if allocator_counter else \
+        os.path.join(ROOT, "pretrain_gpt.py")
+    command = [os.path.join(ROOT, ".venv", "bin", "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script,
+               *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:  # the ranks' error lines, not only torchrun's summary that ends stderr
@@ -185,6 +189,12 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--no-memory-log", action="store_true",
                         help="step times only: run without the peak-live log (the profiler), peak column nan")
+    parser.add_argument("--memory-log", choices=["profiler", "counter", "both"], default="profiler",
+                        help="where the peak live bytes come from: the training log's profiler allocation log, the "
+                             "allocator counter of live_tensor_bytes.py (memory that does not grow with the step's "
+                             "ops: 32K), or both side by side (to check they agree)")
+    parser.add_argument("--layouts", nargs="+", default=["1", "p2p", "all_gather", "a2a"],
+                        help="which rows to run: 1 (one process) and cp 2 comm types")
     parser.add_argument("--against-pytorch", action="store_true",
                         help="our cp attention layer against torch.distributed.tensor.experimental.context_parallel")
     parser.add_argument("--repeats", type=int, default=5, help="--against-pytorch: timed steps per side")
@@ -200,14 +210,23 @@ def main() -> None:
     # --no-memory-log: step times without the profiler's per-op allocation log (its cost per op weighs on the cp
     # runs' many attention tiles, and at 32K its log outgrows a 23 GiB machine); peak live is then not measured.
     flags = model_flags(args.seq_length, args.iters) + (["--no-log-memory"] if args.no_memory_log else [])
-    base_ms, base_gib = run(1, flags)
+    if args.memory_log != "profiler":
+        import live_tensor_bytes
+
+        live_tensor_bytes.reporter()  # compiled once here, not by both ranks at once
+    sources = {"profiler": [False], "counter": [True], "both": [False, True]}[args.memory_log]
     print(f"seq {args.seq_length}, Llama-style 2 layers x hidden 256, 4 heads (2 KV), batch 1, fp32, 1 thread each")
-    print(f"{'layout':<22} | {'step (ms)':>9} | {'vs 1 process':>12} | {'peak live (GiB)':>15} | {'vs 1 process':>12}")
-    print(f"{'1 process':<22} | {base_ms:>9.0f} | {1.0:>12.2f} | {base_gib:>15.3f} | {1.0:>12.2f}")
-    for comm_type in ("p2p", "all_gather", "a2a"):
-        ms, gib = run(2, flags + ["--context-parallel-size", "2", "--cp-comm-type", comm_type])
-        name = f"cp 2 {comm_type}"
-        print(f"{name:<22} | {ms:>9.0f} | {ms / base_ms:>12.2f} | {gib:>15.3f} | {gib / base_gib:>12.2f}")
+    print(f"{'layout':<22} | {'peak from':>9} | {'step (ms)':>9} | {'vs 1 process':>12} | {'peak live (GiB)':>15} | "
+          f"{'vs 1 process':>12}")
+    base: dict[bool, tuple[float, float]] = {}
+    for layout in args.layouts:
+        for counter in sources:
+            cp = [] if layout == "1" else ["--context-parallel-size", "2", "--cp-comm-type", layout]
+            ms, gib = run(1 if layout == "1" else 2, flags + cp, allocator_counter=counter)
+            base_ms, base_gib = base.setdefault(counter, (ms, gib)) if layout == "1" else base.get(counter, (nan,) * 2)
+            name = "1 process" if layout == "1" else f"cp 2 {layout}"
+            print(f"{name:<22} | {'counter' if counter else 'profiler':>9} | {ms:>9.0f} | {ms / base_ms:>12.2f} | "
+                  f"{gib:>15.4f} | {gib / base_gib:>12.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -175,8 +175,6 @@ class Config:
         _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
                  f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
                  "rank); use --ckpt-format torch_dist")
-        _require(cp == 1 or not m.multi_latent_attention,
-                 f"--multi-latent-attention has no context-parallel attention yet: drop --context-parallel-size {cp}")
         _require(cp == 1 or m.moe_router_load_balancing_type != "seq_aux_loss",
                  f"--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size {cp}: each cp rank holds "
                  "part of every sequence, and the sequence-wise loss needs all of it; use aux_loss (its counts are "

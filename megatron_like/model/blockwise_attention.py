@@ -16,7 +16,8 @@ The three primitives work on one (query block, key block) pair and are what a ri
 
 :func:`blockwise_attention` is the single-process attention built from them (an autograd Function that tiles the
 queries and keys and loops over the allowed tiles). Everything here runs in plain PyTorch matmuls; half-precision
-inputs are computed in float32.
+inputs are computed in float32. The value head dim may differ from the query/key head dim (multi-latent
+attention): scores contract over q's and k's features, the output over v's, so nothing is padded.
 
 The allowed pairs: key ``j`` is visible to query ``i`` when ``k_pos[j] <= q_pos[i]`` (``causal``),
 ``k_pos[j] >= q_pos[i] - window_left`` (a window: the query and the ``window_left`` keys before it, flash-attention's
@@ -145,7 +146,7 @@ def _tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positi
         unnormalized = unnormalized.masked_fill(~keep, 0.0).div_(1.0 - dropout_p)  # the sum above stays undropped
     out = torch.matmul(unnormalized, v.to(dtype).unsqueeze(2)) / row_sum.clamp_min(torch.finfo(dtype).tiny)
     lse = (row_max + torch.log(row_sum)).squeeze(-1)  # -inf + log 0 = -inf, never NaN
-    return out.reshape(b, hq, sq, d), lse.reshape(b, hq, sq)
+    return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
@@ -247,8 +248,9 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
                             dropout_seed: int = 0, block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query block over one key block: ``(out, lse)``.
 
-    q ``[b, hq, sq, d]``, k and v ``[b, hkv, sk, d]`` (grouped-query attention: hq a multiple of hkv, query head
-    ``h`` reads key/value head ``h // (hq / hkv)``). Returns out ``[b, hq, sq, d]`` in q's dtype (the softmax over
+    q ``[b, hq, sq, d]``, k ``[b, hkv, sk, d]``, v ``[b, hkv, sk, dv]`` (grouped-query attention: hq a multiple of
+    hkv, query head ``h`` reads key/value head ``h // (hq / hkv)``; the value head dim ``dv`` may differ from the
+    query/key one, as multi-latent attention's does). Returns out ``[b, hq, sq, dv]`` in q's dtype (the softmax over
     this block's keys only) and lse ``[b, hq, sq]`` in float32 (float64 for float64 inputs); rows with no visible
     key give out 0 and lse -inf. Merge blocks with :func:`merge_partials`. With ``dropout_p`` the output drops the
     pairs :func:`dropout_keep` drops (and scales the rest by ``1 / (1 - dropout_p)``); lse is that of the undropped
@@ -264,10 +266,10 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         out, lse = _tile_forward(q, k, v, q_positions=q_positions, k_positions=k_positions, q_documents=q_documents,
                                  k_documents=k_documents, **options)
         return out.to(q.dtype), lse
-    b, hq, sq, d = q.shape
+    b, hq, sq, _ = q.shape
     # Laid out sequence first, as SDPA lays out its output: the model's merge of the heads into [s, b, h] is then
     # a view, not a copy kept for backward by the projection after it.
-    out = q.new_zeros(sq, b, hq, d, dtype=compute_dtype(q.dtype)).permute(1, 2, 0, 3)
+    out = q.new_zeros(sq, b, hq, v.shape[-1], dtype=compute_dtype(q.dtype)).permute(1, 2, 0, 3)
     lse = q.new_full((b, hq, sq), NEG_INF, dtype=out.dtype)
     plan = block_plan(q_positions, k_positions, q_documents, k_documents, window_left, causal, block_size, block_size)
     for q_slice, k_slices in plan:
@@ -291,10 +293,11 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block pair's share of the attention gradients: ``(dq, dk, dv)``.
 
-    ``out`` ``[b, hq, sq, d]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
+    ``out`` ``[b, hq, sq, dv]`` and ``lse`` ``[b, hq, sq]`` are those of the attention over *all* key blocks (merged),
     ``grad_out`` its gradient; the other arguments are as in :func:`attention_block_forward`. Summing the shares over
-    every key block gives the exact gradients. Returns dq ``[b, hq, sq, d]``, dk and dv ``[b, hkv, sk, d]`` in the
-    compute dtype (float32 for half inputs), so sums over blocks keep their precision; cast after summing.
+    every key block gives the exact gradients. Returns dq ``[b, hq, sq, d]``, dk ``[b, hkv, sk, d]`` and dv
+    ``[b, hkv, sk, dv]`` in the compute dtype (float32 for half inputs), so sums over blocks keep their precision;
+    cast after summing.
     ``block_size``: tiled as in :func:`attention_block_forward`.
     """
     options = dict(window_left=window_left, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,

@@ -22,6 +22,11 @@ through the same entry by hand. The down-projections' weight gradients are then 
 parallelism, and partial sums over sequence shards with it: those parameters are tagged ``sequence_parallel``
 and all-reduced over tp like the norms (``tensor_parallel/layers.py``).
 
+Context parallelism (``--context-parallel-size``, ``model/context_parallel/``): each cp rank holds two chunks of
+the sequence; the rope slices rotate at the tokens' global positions (``cp_rotary_tables``) and the full per-head
+keys ``[k_nope | rope(k_rope)]`` and values (narrower than the keys) go to ``context_parallel_attention``, whose
+ring, all-gather and all-to-all modes and blockwise core take a value head dim of its own.
+
 Generation (``cached_attention``) keeps only ``[c_kv | rope(k_rope)]`` per token in the cache
 (``inference/kv_cache.py``'s latent mode) and decodes with ``W_kv_up`` absorbed into the query and the output.
 """
@@ -37,7 +42,8 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_apply_rotary
-from megatron_like.model.blockwise_attention import allowed_pairs
+from megatron_like.model.blockwise_attention import blockwise_attention
+from megatron_like.model.context_parallel import context_parallel_attention, cp_rotary_tables
 from megatron_like.model.norms import RMSNorm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -97,6 +103,7 @@ class MultiLatentAttention(nn.Module):
         super().__init__()
         h, heads = config.hidden_size, config.num_attention_heads
         self.layer, self.causal = layer, causal
+        self.context_parallel = ps if ps.cp_size > 1 else None  # this rank holds two chunks of each sequence
         self.tp_group, self.sequence_parallel = ps.tp_group, sequence_parallel
         self.heads_per_rank = heads // ps.tp_size
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
@@ -166,7 +173,8 @@ class MultiLatentAttention(nn.Module):
         """q ``[s, b, np (nope + rope)]``, kv ``[s, b, np (nope + v)]``, k_rope ``[s, b, rope]`` -> q, k
         ``[b, np, s, nope + rope]`` (rope slices rotated) and v ``[b, np, s, v]``.
 
-        ``rotary_tables``: cos, sin ``[s, rope]`` of the tokens' positions; None = positions ``0 .. s - 1``.
+        ``rotary_tables``: cos, sin ``[s, rope]`` of the tokens' positions; None = positions ``0 .. s - 1``, or with
+        context parallelism the global positions of this cp rank's two chunks.
         """
         s, b, _ = q.shape
         np_ = self.heads_per_rank
@@ -182,7 +190,10 @@ class MultiLatentAttention(nn.Module):
     def rotate(self, q_rope: torch.Tensor, k_rope: torch.Tensor,
                rotary_tables: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE on the position slices ``[b, heads, s, rope]`` (keys: one head)."""
-        if rotary_tables is None:
+        if rotary_tables is None and self.context_parallel is not None:
+            rotary_tables = cp_rotary_tables(q_rope.shape[2], self.rope_dim, self.rotary_base, self.rope_scaling,
+                                             self.context_parallel, q_rope.device)
+        elif rotary_tables is None:
             rotary_tables = sequence_rotary_tables(q_rope.shape[2], self.rope_dim, self.rotary_base, q_rope.device,
                                                    self.rope_scaling)
         cos, sin = rotary_tables
@@ -198,19 +209,23 @@ class MultiLatentAttention(nn.Module):
                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q k^T scale) v over the whole sequence: the ``split_heads`` inputs -> ``[s, b, np * v]``.
 
-        ``document_ids`` int64 ``[b, s]`` (packed documents): attention stays within equal ids, through a dense
-        ``[b, 1, s, s]`` mask of the allowed pairs (MLA's value heads differ in size from its query/key heads, which
-        the blockwise core does not take; the mask is exact, it just saves no compute)."""
+        ``document_ids`` int64 ``[b, s]`` (packed documents): attention stays within equal ids, through the blockwise
+        core (it skips the pairs of other documents). With context parallelism the other cp ranks hold the rest of
+        the sequence (``context_parallel_attention``, every ``--cp-comm-type``)."""
         q, k, v = self.split_heads(q, kv, k_rope)
         dropout_p = self.attention_dropout if self.training else 0.0
-        mask = None
-        if document_ids is not None:
-            positions = torch.arange(q.shape[2], device=q.device)
-            mask = allowed_pairs(positions, positions, document_ids, document_ids, None, self.causal)
         with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if mask is None else mask[:, None], dropout_p=dropout_p,
-                is_causal=self.causal and mask is None, scale=self.softmax_scale)
+            if self.context_parallel is not None:
+                context = context_parallel_attention(q, k, v, self.context_parallel, causal=self.causal,
+                                                     dropout_p=dropout_p, softmax_scale=self.softmax_scale,
+                                                     document_ids=document_ids)
+            elif document_ids is not None:
+                context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
+                                                 causal=self.causal, softmax_scale=self.softmax_scale,
+                                                 dropout_p=dropout_p)
+            else:
+                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal,
+                                                         scale=self.softmax_scale)
         return self.merge_heads(context)
 
     def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None

@@ -36,7 +36,7 @@ from megatron_like.kernels import (
 from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F401 (the contract fused_swiglu meets)
 from megatron_like.model.attention_mask import sliding_window_mask
 from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
-from megatron_like.model.context_parallel import context_parallel_attention, cp_positions
+from megatron_like.model.context_parallel import context_parallel_attention, cp_rotary_tables
 from megatron_like.model.norms import build_head_norm, build_norm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -161,11 +161,8 @@ class SelfAttention(nn.Module):
 
     def context_parallel_rotary_tables(self, s: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[s, rotary_dim]`` at the global positions of this cp rank's ``s`` tokens."""
-        ps = self.context_parallel
-        cos, sin = sequence_rotary_tables(s * ps.cp_size, self.rotary_dim, self.rotary_base, device,
-                                          self.rope_scaling)
-        positions = cp_positions(s * ps.cp_size, ps.cp_size, ps.cp_rank, device)
-        return cos[positions], sin[positions]
+        return cp_rotary_tables(s, self.rotary_dim, self.rotary_base, self.rope_scaling, self.context_parallel,
+                                device)
 
     def merge_heads(self, context: torch.Tensor) -> torch.Tensor:
         """``[b, np, s, hd]`` -> ``[s, b, np * hd]``."""

@@ -37,6 +37,11 @@ merged copy ``v e`` with the flash log-sum-exp. Value heads narrower than query 
 math path: the ``[s, s]`` probabilities ``4 a s`` (12 with dropout), fp32 q, k and v for 16-bit, no output copy.
 Selective recompute keeps the core's inputs instead: the q up-projection's output, the kv one's, and the whole
 kv down-projection output under its ``k_rope`` view.
+With context parallelism or packed documents MLA runs the blockwise core (no ``[s, s]`` tensor, dropout included;
+its lse ``4 a``): q and k ``2 (n + r) e``; at cp 1 v as the view ``(n + v) e`` and the output ``v e`` (laid out
+sequence first, so merging the heads is a view); at cp > 1 the ring's contiguous copy of v (the all-to-all's
+head-sharded one), its output and the merged copy, ``3 v e``; ``all_gather`` keeps q, the gathered keys and values
+``cp (n + r + v) e`` and the output ``v e`` instead of the local ones.
 
 An MoE layer (``--num-experts E``, top-k, expert hidden ``f_e``, docs/moe.md) keeps instead of the MLP's input
 and terms, for its ``T = s b`` tokens (whole on every tp rank: the layer gathers sequence-parallel shards) and
@@ -206,6 +211,9 @@ def mla_attention_terms(config: Config, recompute: str | None, device: str) -> t
     if recompute == "selective":  # the checkpointed core keeps its inputs: q, kv and k_rope (a view of kv_down's
         # output, which stays whole), and the output projection its input
         return latent + e * (c + rope), a * (e * (nope + rope) + e * (nope + v) + e * v), 0.0
+    p = config.parallel
+    if p.context_parallel_size > 1 or config.data.reset_attention_mask:
+        return latent, mla_blockwise_head_bytes(config), 4 * a + mla_gathered_kv_bytes(config)
     dropout = m.attention_dropout > 0
     if device == "cpu" and (dropout or nope + rope != v):  # the math path (no flash kernel for these shapes)
         fp32 = 4 if e != 4 else e  # 16-bit: float32 copies of q, k and v
@@ -213,6 +221,32 @@ def mla_attention_terms(config: Config, recompute: str | None, device: str) -> t
         return latent, a * (qkv + e * v), (12 if dropout else 4) * a * s
     # flash / memory-efficient: q, k, v (a view of kv_up's output, kept whole), the output, fp32 log-sum-exp
     return latent, a * (2 * e * (nope + rope) + e * (nope + v) + 2 * e * v), 4 * a
+
+
+def mla_blockwise_head_bytes(config: Config) -> float:
+    """Bytes per token and all heads that multi-latent attention keeps around the blockwise core (context
+    parallelism, packed documents; the lse is the core's term): q and k ``2 (n + r) e``, then by mode the values
+    and the output (module docstring)."""
+    m, e = config.model, element_bytes(config)
+    a, qk, v = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    p = config.parallel
+    if p.context_parallel_size == 1:  # v a view of the kv up-projection's output; the output laid out sequence first
+        return a * e * (2 * qk + m.qk_head_dim + v + v)
+    if p.cp_comm_type == "all_gather":  # the local keys and values are not kept, the gathered ones are (core term)
+        return a * e * (qk + v)
+    # the ring's contiguous copy of v (or the all-to-all's head-sharded one), its [b, h, s, v] output and the
+    # merged copy the output projection keeps
+    return a * e * (2 * qk + 3 * v)
+
+
+def mla_gathered_kv_bytes(config: Config) -> float:
+    """Bytes per local token and all heads of the whole sequence's keys and values that ``--cp-comm-type
+    all_gather`` keeps for multi-latent attention: ``cp (n + r + v) e``; 0 otherwise."""
+    m, p = config.model, config.parallel
+    if p.context_parallel_size == 1 or p.cp_comm_type != "all_gather":
+        return 0.0
+    width = m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim
+    return p.context_parallel_size * m.num_attention_heads * width * element_bytes(config)
 
 
 def routed_pairs(config: Config) -> int:

@@ -3,8 +3,10 @@
 ``tests/distributed/test_context_parallel_traffic.py``.
 
 Per layer and micro batch a rank holds ``s_l = s / cp`` tokens of ``b`` sequences; on a tp rank the attention
-has ``a / tp`` query heads and ``g / tp`` key/value heads of ``d`` channels, element size ``e``. Its keys and values
-are ``KV = 2 b (g / tp) s_l d e`` bytes. By ``--cp-comm-type`` (``A`` the all-to-all size, ``P`` the ring size):
+has ``a / tp`` query heads and ``g / tp`` key/value heads, queries and keys of ``d`` channels and values of ``d_v``
+(``d_v = d`` but in multi-latent attention: ``d = qk_head_dim + qk_pos_emb_head_dim``, ``d_v = v_head_dim``,
+``g = a``), element size ``e``. Its keys and values are ``KV = b (g / tp) s_l (d + d_v) e`` bytes. By
+``--cp-comm-type`` (``A`` the all-to-all size, ``P`` the ring size):
 
 * ``p2p`` (ring of ``P = cp``): forward sends the K/V block on ``P - 1`` times; backward sends it on ``P - 1``
   times again and each block's dK/dV ``P`` times (the last send brings it home), in the core's compute dtype
@@ -12,8 +14,8 @@ are ``KV = 2 b (g / tp) s_l d e`` bytes. By ``--cp-comm-type`` (``A`` the all-to
 * ``all_gather``: forward all-gathers K and V (a ring all-gather sends ``(cp - 1) / cp`` of the gathered
   ``cp KV``), backward reduce-scatters their gradients (the same bytes);
 * ``a2a`` (``A = cp``): q, k, v and the output each cross one all-to-all forward and their gradients one
-  backward; a rank keeps ``1 / A`` of each, sending ``(A - 1) / A`` of ``2 Q + 2 K`` each way
-  (``Q = b (a / tp) s_l d e``, ``K = KV / 2``);
+  backward; a rank keeps ``1 / A`` of each, sending ``(A - 1) / A`` of ``Q + O + KV`` each way
+  (``Q = b (a / tp) s_l d e``, the output ``O = b (a / tp) s_l d_v e``);
 * ``a2a+p2p``: the all-to-all over ``A``, then the ring over ``P`` on the head-sharded tensors (the same bytes
   as the sequence-sharded ones).
 
@@ -43,6 +45,16 @@ def cp_sizes(config: Config) -> tuple[int, int]:
     return 1, cp
 
 
+def attention_head_dims(config: Config) -> tuple[int, int, int]:
+    """``(query/key head dim, value head dim, key/value heads)`` of the tensors cp attention exchanges: multi-latent
+    attention sends full per-head keys (no-position and rope slices) and its own value head dim, one key/value head
+    per query head."""
+    m = config.model
+    if m.multi_latent_attention:
+        return m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim, m.num_attention_heads
+    return m.head_dim, m.head_dim, m.query_groups
+
+
 def cp_layer_bytes(config: Config) -> tuple[float, float]:
     """``(forward, backward)`` bytes one rank sends in one layer's attention for one micro batch (module
     docstring); ``(0, 0)`` at cp 1."""
@@ -50,15 +62,17 @@ def cp_layer_bytes(config: Config) -> tuple[float, float]:
     cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
     if cp == 1:
         return 0.0, 0.0
-    b, local_tokens, d, e = config.training.micro_batch_size, m.seq_length // cp, m.head_dim, element_bytes(config)
-    q = b * (m.num_attention_heads // tp) * local_tokens * d * e
-    k = b * (m.query_groups // tp) * local_tokens * d * e
-    kv, kv_compute = 2 * k, 2 * k * 4 / e
+    b, local_tokens, e = config.training.micro_batch_size, m.seq_length // cp, element_bytes(config)
+    d, d_v, kv_heads = attention_head_dims(config)
+    per_query_head = b * (m.num_attention_heads // tp) * local_tokens * e
+    q, out = per_query_head * d, per_query_head * d_v
+    kv = b * (kv_heads // tp) * local_tokens * (d + d_v) * e
+    kv_compute = kv * 4 / e
     documents = 8 * b * m.seq_length * (cp - 1) / cp if config.data.reset_attention_mask else 0.0
     if p.cp_comm_type == "all_gather":
         return kv * (cp - 1) + documents, kv * (cp - 1)
     a2a, ring = cp_sizes(config)
-    exchanged = (a2a - 1) / a2a * (2 * q + 2 * k)  # q, k, v and the output (or their gradients)
+    exchanged = (a2a - 1) / a2a * (q + out + kv)  # q, k, v and the output (or their gradients)
     ring_forward = (ring - 1) * kv
     ring_backward = (ring - 1) * kv + (ring * kv_compute if ring > 1 else 0.0)
     return exchanged + ring_forward + documents, exchanged + ring_backward

@@ -33,6 +33,14 @@ def max_memory_gib(device: torch.device) -> float:
     return peak / (2**30 if sys.platform == "darwin" else 2**20)
 
 
+def persistent_bytes(model: list[torch.nn.Module], optimizer: Any) -> int:
+    """Bytes a training run holds between steps: parameter and gradient buffers, optimizer state, module buffers."""
+    from megatron_like.distributed.memory import measured_state_bytes
+
+    persistent = measured_state_bytes(optimizer.data_parallel, optimizer).total
+    return persistent + sum(b.untyped_storage().nbytes() for chunk in model for b in chunk.buffers())
+
+
 class CPUStepMemory:
     """Peak bytes of live CPU tensors during the training steps it watches (the CPU log figure).
 
@@ -59,10 +67,7 @@ class CPUStepMemory:
         from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
         from torch._C._profiler import ProfilerConfig, ProfilerState, _ExperimentalConfig
 
-        from megatron_like.distributed.memory import measured_state_bytes
-
-        persistent = measured_state_bytes(optimizer.data_parallel, optimizer).total
-        persistent += sum(b.untyped_storage().nbytes() for chunk in model for b in chunk.buffers())
+        persistent = persistent_bytes(model, optimizer)
         # (state, report_input_shapes, profile_memory, with_stack, with_flops, with_modules, experimental)
         _enable_profiler_legacy(ProfilerConfig(ProfilerState.CPU, False, True, False, False, False,
                                                _ExperimentalConfig()))

@@ -1,8 +1,9 @@
 """Attention across context-parallel ranks equals single-process attention, in float64: every --cp-comm-type at
 cp 2 and 4, causal, grouped-query, sliding-window and bidirectional attention, packed documents (with GQA and a
-window; documents cut by the chunk boundaries, one of a single token), and a cp rank whose tokens are all
-masked out of the loss (its queries get no gradient; its keys and values still serve the others). Forward output
-and the gradients of q, k and v are compared on every rank with a dense masked softmax written out here.
+window; documents cut by the chunk boundaries, one of a single token), a cp rank whose tokens are all
+masked out of the loss (its queries get no gradient; its keys and values still serve the others), and multi-latent
+attention's shapes (value heads narrower than query/key heads; with documents and a masked rank too). Forward
+output and the gradients of q, k and v are compared on every rank with a dense masked softmax written out here.
 
 With attention dropout (GQA, a window and packed documents) every mode equals the single-process blockwise core
 drawing its seed from the same torch seed (the same pairs dropped), and each mode's backward is checked to be the
@@ -32,16 +33,20 @@ from megatron_like.parallel_state import ParallelState
 from tests.distributed.harness import run_distributed
 
 SEQ, BATCH, HEAD_DIM = 16, 2, 4
+MLA_V_DIM = 3  # multi-latent attention's value heads are narrower than its query/key heads (nope + rope)
 MODES = {2: ["p2p", "all_gather", "a2a", "a2a+p2p"], 4: ["p2p", "all_gather", "a2a", "a2a+p2p"]}
 HIERARCHY = {2: [1, 2], 4: [2, 2]}  # a2a+p2p: all-to-all size, ring size
 CASES = {
-    # name: (query heads, key/value heads, window_left, causal, cp rank whose loss is all masked, packed documents)
-    "causal": (4, 4, None, True, None, False),
-    "gqa": (8, 4, None, True, None, False),
-    "window": (4, 4, 4, True, None, False),
-    "bidirectional": (4, 4, None, False, None, False),
-    "masked-rank": (4, 4, None, True, 0, False),
-    "documents-gqa-window": (8, 4, 6, True, None, True),
+    # name: (query heads, key/value heads, window_left, causal, cp rank whose loss is all masked, packed documents,
+    #        value head dim)
+    "causal": (4, 4, None, True, None, False, HEAD_DIM),
+    "gqa": (8, 4, None, True, None, False, HEAD_DIM),
+    "window": (4, 4, 4, True, None, False, HEAD_DIM),
+    "bidirectional": (4, 4, None, False, None, False, HEAD_DIM),
+    "masked-rank": (4, 4, None, True, 0, False, HEAD_DIM),
+    "documents-gqa-window": (8, 4, 6, True, None, True, HEAD_DIM),
+    "mla": (4, 4, None, True, None, False, MLA_V_DIM),
+    "mla-documents-masked-rank": (4, 4, None, True, 1, True, MLA_V_DIM),
 }
 # Packed documents: per sample, the positions where a new document starts (sample 1: a one-token document).
 DOCUMENT_STARTS = [(5, 11), (3, 4, 13)]
@@ -73,11 +78,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_le
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
-def inputs(hq: int, hkv: int, masked_rank: int | None, cp: int) -> list[torch.Tensor]:
+def inputs(hq: int, hkv: int, masked_rank: int | None, cp: int, v_dim: int = HEAD_DIM) -> list[torch.Tensor]:
     """q, k, v and the output's gradient of the whole sequence (the same on every rank: one seed)."""
     generator = torch.Generator().manual_seed(hq * 100 + hkv)
-    shapes = [(BATCH, hq, SEQ, HEAD_DIM), (BATCH, hkv, SEQ, HEAD_DIM), (BATCH, hkv, SEQ, HEAD_DIM),
-              (BATCH, hq, SEQ, HEAD_DIM)]
+    shapes = [(BATCH, hq, SEQ, HEAD_DIM), (BATCH, hkv, SEQ, HEAD_DIM), (BATCH, hkv, SEQ, v_dim),
+              (BATCH, hq, SEQ, v_dim)]
     q, k, v, grad_out = (torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes)
     if masked_rank is not None:  # the loss ignores every token of that rank: its outputs get no gradient
         positions = cp_positions(SEQ, cp, masked_rank)
@@ -87,8 +92,8 @@ def inputs(hq: int, hkv: int, masked_rank: int | None, cp: int) -> list[torch.Te
 
 def reference(case: str, cp: int) -> tuple[torch.Tensor, ...]:
     """Single-process output and q, k, v gradients ``[b, h, s, d]``."""
-    hq, hkv, window_left, causal, masked_rank, documents = CASES[case]
-    q, k, v, grad_out = inputs(hq, hkv, masked_rank, cp)
+    hq, hkv, window_left, causal, masked_rank, documents, v_dim = CASES[case]
+    q, k, v, grad_out = inputs(hq, hkv, masked_rank, cp, v_dim)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = dense_attention(q, k, v, window_left, causal, document_ids() if documents else None)
     out.backward(grad_out)
@@ -111,9 +116,9 @@ def cp_attention_on_ranks(rank: int, world_size: int) -> dict[str, list[torch.Te
     for mode in MODES[world_size]:
         ps = initialize_cp(mode, world_size)
         assert dist.is_initialized() and ps.cp_rank == rank
-        for case, (hq, hkv, window_left, causal, masked_rank, documents) in CASES.items():
+        for case, (hq, hkv, window_left, causal, masked_rank, documents, v_dim) in CASES.items():
             q, k, v, grad_out = (split_for_context_parallel(t, world_size, rank, dim=2)
-                                 for t in inputs(hq, hkv, masked_rank, world_size))
+                                 for t in inputs(hq, hkv, masked_rank, world_size, v_dim))
             q, k, v = (t.requires_grad_() for t in (q, k, v))
             local_documents = split_for_context_parallel(document_ids(), world_size, rank) if documents else None
             out = context_parallel_attention(q, k, v, ps, window_left=window_left, causal=causal,

@@ -2,10 +2,11 @@
 (rotary positions, GQA with 4 key/value heads for 8 query heads, SwiGLU, RMSNorm) trained at cp 2 with each
 --cp-comm-type, with the sliding window, with selective recomputation, and cp combined with tensor + sequence
 parallelism, interleaved pipeline parallelism, data parallelism with ZeRO-3, and (the MoE model of
-test_moe_parallel) expert parallelism; cp 4 with the hierarchical a2a+p2p. Each logs the single-process losses and
-grad norms and holds its weights after training (the float32 tolerance of ``assert_same_training``); the
-single-process references are those two test modules' (one run each, shared when the suite runs them in one
-process).
+test_moe_parallel) expert parallelism; cp 4 with the hierarchical a2a+p2p; the multi-latent attention model of
+test_mla_parallel (query latent, YaRN) at cp 2 and at cp 2 x tp 2 with sequence parallelism. Each logs the
+single-process losses and grad norms and holds its weights after training (the float32 tolerance of
+``assert_same_training``); the single-process references are those test modules' (one run each, shared when the
+suite runs them in one process).
 
 Each cp rank holds two of the sequence's 2 x cp chunks (16 tokens: chunks of 4 at cp 2, of 2 at cp 4), so the
 rotary positions, the causal mask across ranks, the whole sequence's loss and the dp x cp gradient average are all
@@ -21,6 +22,7 @@ import torch
 
 from megatron_like.parallel_state import ParallelState
 from tests.distributed import test_llama_parallel as llama
+from tests.distributed import test_mla_parallel as mla
 from tests.distributed import test_moe_parallel as moe
 from tests.distributed import test_mtp_parallel as mtp
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
@@ -40,6 +42,11 @@ DEEPSEEK_CP = [("aux_loss" if flag == "seq_aux_loss" else flag) for flag in moe.
 ATTENTION_DROPOUT = ["--attention-dropout", "0.2"]
 
 
+# Multi-latent attention (query latent, YaRN): its rope slice rotates at the global positions of each cp rank's
+# chunks, and its keys (nope + rope) and narrower values cross the cp ranks.
+MLA_Q_LATENT = mla.MLA + mla.Q_LATENT
+
+
 @functools.cache
 def window_dropout_reference() -> dict:
     return merge_ranks([train_gpt(0, 1, llama.LLAMA + llama.WINDOW + ATTENTION_DROPOUT)])
@@ -57,6 +64,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         "moe-cp2-ep2-alltoall": moe.MOE + cp(2) + moe.ep(2) + moe.ALLTOALL,
         "mtp-cp2-p2p": mtp.MTP + cp(2),
         "deepseek-cp2-ep2-alltoall": moe.MOE + DEEPSEEK_CP + cp(2) + moe.ep(2) + moe.ALLTOALL,
+        "mla-cp2-p2p": MLA_Q_LATENT + cp(2),
     },
     4: {
         "cp2-tp2-sp": llama.LLAMA + cp(2) + llama.TP2 + llama.SP,
@@ -65,6 +73,7 @@ CASES: dict[int, dict[str, list[str]]] = {
         "cp2-dp2-zero3": llama.LLAMA + cp(2) + llama.zero(3),
         "cp4-a2a+p2p": llama.LLAMA + cp(4, "a2a+p2p") + ["--hierarchical-context-parallel-sizes", "2", "2"],
         "moe-cp2-ep2-dp2-allgather-zero1": moe.MOE + cp(2) + moe.ep(2) + moe.ALLGATHER + moe.zero(1),
+        "mla-cp2-tp2-sp-a2a": MLA_Q_LATENT + cp(2, "a2a") + mla.TP2 + mla.SP,
     },
 }
 
@@ -90,6 +99,8 @@ def test_context_parallel_training_equals_single_process(world_size: int, name: 
     elif name.startswith("moe"):
         assert_same_training(moe.reference(), run)
         moe.assert_same_router_losses(moe.reference(), run)
+    elif name.startswith("mla"):
+        assert_same_training(mla.reference(), run)
     elif name.startswith("window-dropout"):
         assert_same_training(window_dropout_reference(), run)
     elif name.startswith("window"):

@@ -48,9 +48,6 @@ def test_a_cp_rank_with_every_token_masked_gives_a_finite_loss_and_no_gradient()
                                                                   "--context-parallel-size 2"),
     ("--context-parallel-size 2 --num-experts 4 --disable-bias-linear --moe-router-load-balancing-type seq_aux_loss",
      "seq_aux_loss with --context-parallel-size 2"),
-    ("--context-parallel-size 2 --multi-latent-attention --kv-lora-rank 8 --qk-head-dim 8 --qk-pos-emb-head-dim 4 "
-     "--v-head-dim 8 --position-embedding-type rope --disable-bias-linear",
-     "--multi-latent-attention has no context-parallel attention"),
 ])
 def test_a_layout_that_cannot_work_stops_in_one_line(extra: str, expected: str, capsys, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")

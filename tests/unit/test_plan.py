@@ -162,14 +162,23 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     """What one layer keeps for backward (the autograd saved-tensor hooks, parameters excluded) against the
     planner's per-layer formula, for each architecture option alone and for Llama (with selective recompute: what
     the checkpointed attention core leaves kept)."""
+    from megatron_like.planning.activations import layer_activation_bytes
+
+    config = parse_config(LAYER + extra)
+    measured = kept_for_backward(config)
+    assert layer_activation_bytes(config, config.model.recompute_granularity, "cpu") == pytest.approx(measured,
+                                                                                                      rel=0.02)
+
+
+def kept_for_backward(config, document_ids=None) -> int:
+    """Bytes one TransformerLayer of ``config`` keeps for backward on ``[64, 4, 256]`` (the autograd saved-tensor
+    hooks, parameters excluded, each storage once); ``document_ids`` int64 ``[4, 64]``: packed documents."""
     import torch
 
     from megatron_like.model.transformer import TransformerLayer
     from megatron_like.parallel_state import ParallelState
-    from megatron_like.planning.activations import layer_activation_bytes
     from megatron_like.tensor_parallel.random import seed_everything
 
-    config = parse_config(LAYER + extra)
     dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
     layer = TransformerLayer(config.model, ParallelState.single_process(torch.device("cpu")), 0, 1, False, dtype)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -184,10 +193,22 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
     seed_everything(1, tp_rank=0, pp_rank=0)  # attention dropout draws from the tracker's stream
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        layer(x)
-    measured = sum(saved.values())
-    assert layer_activation_bytes(config, config.model.recompute_granularity, "cpu") == pytest.approx(measured,
-                                                                                                      rel=0.02)
+        layer(x, document_ids=document_ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("extra", [[], ["--bf16", "--attention-dropout", "0.1"]], ids=["fp32", "bf16-dropout"])
+def test_mla_packed_documents_activation_formula_equals_the_saved_tensors(extra):
+    """Multi-latent attention over packed documents takes the blockwise core (no [s, s] tensor, dropout by hash)."""
+    import torch
+
+    from megatron_like.planning.activations import layer_activation_bytes
+
+    config = parse_config(LAYER + MLA + extra)
+    # --reset-attention-mask needs end-of-document tokens, which --mock-data lacks: set on the parsed config
+    config.data.reset_attention_mask = True
+    documents = torch.arange(64).div(10, rounding_mode="floor").expand(4, 64)  # documents of 10 tokens
+    assert layer_activation_bytes(config, None, "cpu") == pytest.approx(kept_for_backward(config, documents), rel=0.02)
 
 
 def test_cpu_log_line_reports_the_peak_of_live_tensors(capsys):

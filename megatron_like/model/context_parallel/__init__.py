@@ -7,6 +7,7 @@
 from megatron_like.model.context_parallel.attention import context_parallel_attention
 from megatron_like.model.context_parallel.layout import (
     cp_positions,
+    cp_rotary_tables,
     gather_sequence,
     sequence_mean_loss,
     split_batch,
@@ -14,5 +15,5 @@ from megatron_like.model.context_parallel.layout import (
 )
 from megatron_like.model.context_parallel.ring import Ring, ring_attention
 
-__all__ = ["Ring", "context_parallel_attention", "cp_positions", "gather_sequence", "ring_attention",
-           "sequence_mean_loss", "split_batch", "split_for_context_parallel"]
+__all__ = ["Ring", "context_parallel_attention", "cp_positions", "cp_rotary_tables", "gather_sequence",
+           "ring_attention", "sequence_mean_loss", "split_batch", "split_for_context_parallel"]

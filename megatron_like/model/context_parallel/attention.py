@@ -1,7 +1,8 @@
 """Attention across the context-parallel ranks, the four ways of ``--cp-comm-type`` (Megatron-LM's names).
 
-Each rank holds queries, keys and values of its two sequence chunks, ``[b, h, s / cp, d]`` (``layout.py``), and
-returns the attention output of its queries over the whole sequence's keys, ``[b, hq, s / cp, d]``:
+Each rank holds queries, keys and values of its two sequence chunks, ``[b, h, s / cp, d]`` (``layout.py``; the
+values' head dim ``dv`` may differ from the queries' and keys', as multi-latent attention's does), and returns the
+attention output of its queries over the whole sequence's keys, ``[b, hq, s / cp, dv]``:
 
 * ``p2p``: ring attention (``ring.py``): key/value blocks go round the cp ranks, overlapped with compute.
 * ``all_gather``: keys and values are all-gathered along the sequence (Llama 3's choice; memory of the whole
@@ -104,9 +105,10 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                window_left: int | None = None, causal: bool = True, dropout_p: float = 0.0,
                                softmax_scale: float | None = None, document_ids: torch.Tensor | None = None
                                ) -> torch.Tensor:
-    """This cp rank's attention output ``[b, hq, s / cp, d]`` over the whole sequence, by ``ps.cp_comm_type``.
+    """This cp rank's attention output ``[b, hq, s / cp, dv]`` over the whole sequence, by ``ps.cp_comm_type``.
 
-    q ``[b, hq, s / cp, d]``, k and v ``[b, hkv, s / cp, d]``: this rank's two sequence chunks (``layout.py``);
+    q ``[b, hq, s / cp, d]``, k ``[b, hkv, s / cp, d]``, v ``[b, hkv, s / cp, dv]``: this rank's two sequence chunks
+    (``layout.py``); ``softmax_scale`` None: ``1 / sqrt(d)``;
     ``document_ids`` int64 ``[b, s / cp]`` of the same tokens (packed documents; None: one sequence per sample).
     With ``dropout_p`` the seed is drawn from the caller's RNG stream (the same on the cp ranks of one tp rank).
     """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_like import collectives as comm
+from megatron_like.model.rotary import RopeScaling, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
 
 
@@ -33,6 +34,17 @@ def cp_positions(seq_length: int, cp_size: int, cp_rank: int, device: torch.devi
     first, second = cp_chunk_ids(cp_size, cp_rank)
     return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def cp_rotary_tables(local_tokens: int, rotary_dim: int, base: float, scaling: RopeScaling | None,
+                     ps: ParallelState, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[local_tokens, rotary_dim]`` at the global positions of this cp rank's ``local_tokens`` tokens
+    (its two chunks of a sequence of ``local_tokens * cp``): rows of the whole sequence's tables, so RoPE scaling
+    (YaRN's frequencies and attention factor included) is that of one process."""
+    seq_length = local_tokens * ps.cp_size
+    cos, sin = sequence_rotary_tables(seq_length, rotary_dim, base, device, scaling)
+    positions = cp_positions(seq_length, ps.cp_size, ps.cp_rank, device)
+    return cos[positions], sin[positions]
 
 
 def split_for_context_parallel(tensor: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:

@@ -97,21 +97,36 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _split_kv(kv: torch.Tensor, key_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys ``[.., key_dim]`` and values ``[.., rest]`` of a ring message (:func:`_join_kv`)."""
+    return kv[..., :key_dim], kv[..., key_dim:]
+
+
+def _join_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k ``[b, hkv, s, d]`` and v ``[b, hkv, s, dv]`` as one message ``[b, hkv, s, d + dv]``.
+
+    Joined along the features rather than stacked, so the value head dim may differ from the key head dim
+    (multi-latent attention's values are narrower than its keys): padding v to k's width would send, and multiply,
+    zeros at every step."""
+    return torch.cat([k, v], dim=-1)
+
+
 class RingAttention(torch.autograd.Function):
-    """q ``[b, hq, s, d]``, k and v ``[b, hkv, s, d]`` -> out ``[b, hq, s, d]``, attending over every ring member's
-    keys (see the module docstring). ``options``: the block functions' masking, scale and dropout keywords."""
+    """q ``[b, hq, s, d]``, k ``[b, hkv, s, d]``, v ``[b, hkv, s, dv]`` -> out ``[b, hq, s, dv]``, attending over
+    every ring member's keys (see the module docstring). ``options``: the block functions' masking, scale and
+    dropout keywords."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, options: dict):
         b, hq, s, d = q.shape
-        out = q.new_zeros(b, hq, s, d, dtype=compute_dtype(q.dtype))
+        out = q.new_zeros(b, hq, s, v.shape[-1], dtype=compute_dtype(q.dtype))
         lse = q.new_full((b, hq, s), NEG_INF, dtype=out.dtype)
-        kv = torch.stack([k, v])  # (2, b, hkv, s, d): one message per step
+        kv = _join_kv(k, v)  # one message per step
         n = len(ring.global_ranks)
         for step in range(n):
             if step < n - 1:
                 incoming, works = _pass_on(kv, ring, _KV_TAG)  # travels while this block computes
-            part, part_lse = attention_block_forward(q, kv[0], kv[1], **ring.masking(step), **options,
+            part, part_lse = attention_block_forward(q, *_split_kv(kv, d), **ring.masking(step), **options,
                                                      block_size=ring.tile)
             out, lse = merge_partials(out, lse, part, part_lse)
             if step < n - 1:
@@ -128,7 +143,8 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q, dtype=compute_dtype(q.dtype))
-        kv = torch.stack([k, v])
+        key_dim = k.shape[-1]
+        kv = _join_kv(k, v)
         n = len(ring.global_ranks)
         dkv_works: list = []
         dkv_from_previous = torch.zeros(())  # replaced at step 0 by the block the previous member passes on
@@ -136,9 +152,10 @@ class RingAttention(torch.autograd.Function):
             if step < n - 1:
                 incoming, kv_works = _pass_on(kv, ring, _KV_TAG)
             dq_part, dk_part, dv_part = attention_block_backward(
-                q, kv[0], kv[1], out, lse, grad_out, **ring.masking(step), **ctx.options, block_size=ring.tile)
+                q, *_split_kv(kv, key_dim), out, lse, grad_out, **ring.masking(step), **ctx.options,
+                block_size=ring.tile)
             dq += dq_part
-            dkv = torch.stack([dk_part, dv_part])  # this step's block's share: (dk, dv)
+            dkv = _join_kv(dk_part, dv_part)  # this step's block's share
             if step > 0:  # the shares of the members this block visited before: add ours, pass them on
                 _wait(dkv_works)
                 dkv += dkv_from_previous
@@ -150,16 +167,17 @@ class RingAttention(torch.autograd.Function):
                 _wait(kv_works)
                 kv = incoming
         _wait(dkv_works)  # our own block's dK/dV, summed over the whole ring, back home
-        dk, dv = dkv_from_previous
+        dk, dv = _split_kv(dkv_from_previous, key_dim)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *, window_left: int | None = None,
                    causal: bool = True, softmax_scale: float | None = None, dropout_p: float = 0.0,
                    dropout_seed: int = 0) -> torch.Tensor:
-    """Attention of this rank's queries over every ring member's keys: out ``[b, hq, s_local, d]`` (q's dtype).
+    """Attention of this rank's queries over every ring member's keys: out ``[b, hq, s_local, dv]`` (q's dtype).
 
-    q ``[b, hq, s_local, d]``, k and v ``[b, hkv, s_local, d]`` (grouped-query attention: hq a multiple of hkv);
+    q ``[b, hq, s_local, d]``, k ``[b, hkv, s_local, d]``, v ``[b, hkv, s_local, dv]`` (grouped-query attention: hq
+    a multiple of hkv; the value head dim may differ, as multi-latent attention's does);
     masking by the members' global positions and document ids (``ring``) as in ``blockwise_attention``; attention
     dropout with probability ``dropout_p`` from ``dropout_seed``. A ring of one member attends to its own keys.
     """
