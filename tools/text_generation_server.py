@@ -411,6 +411,14 @@ def stream_piece(server: Server, job, choice, chat: bool) -> dict | None:
     return {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
+class HttpServer(ThreadingHTTPServer):
+    """One thread per connection, with a listen backlog deep enough for a burst of clients: socketserver's default
+    of 5 leaves the sixth simultaneous connection unanswered until the client's TCP retry, a second later."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def build_parser():
     parser = cli.inference_parser("Serve text generation over HTTP (OpenAI's /v1 API and Megatron's PUT /api)")
     g = parser.add_argument_group("server")
@@ -459,8 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     server.scheduler = Scheduler(loaded, engine, server.decode, args.max_queued_requests)
     engine_thread = server.engine_thread = threading.Thread(target=server.scheduler.run, name="engine", daemon=True)
     engine_thread.start()
-    http = ThreadingHTTPServer((args.host, args.port), make_handler(server, args.request_timeout))
-    http.daemon_threads = True
+    http = HttpServer((args.host, args.port), make_handler(server, args.request_timeout))
     print(f"serving on http://{args.host}:{http.server_address[1]} (PUT /api, /v1/completions, "
           "/v1/chat/completions)", flush=True)
     try:

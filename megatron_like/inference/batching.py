@@ -5,9 +5,10 @@ its loop rank 0 broadcasts a *plan* (:func:`megatron_like.inference.serving.broa
 to admit (prompt ids, the slots of their ``n`` choices, whether their prompt is scored); then every rank runs
 :meth:`BatchEngine.forward`:
 
-1. each admitted prompt is prefilled alone into its first slot (one forward of its tokens) and copied to its
-   other slots; a prompt whose log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a
-   full forward (:func:`score_prompt`);
+1. the admitted prompts are prefilled together, one forward of all of them left padded to the longest, each into
+   its first slot (``SlotKVCache.begin`` with per-row counts), and copied to its other slots; a prompt whose
+   log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a full forward
+   (:func:`score_prompt`);
 2. one decoding step of every slot that was already generating: its last token at its own position, attending
    to its own cache (:class:`~megatron_like.inference.slot_cache.SlotKVCache`).
 
@@ -22,7 +23,8 @@ of the plan (:meth:`BatchEngine.check`, no collectives: a failure of one rank al
 step, which recovers failures raised at the same point on every rank; a fault of one rank alone inside the
 model's forward leaves the others in a collective until ``--distributed-timeout-minutes``.
 
-Limits: one prefill forward per admitted prompt (prompts are not batched with each other or chunked), and a
+Limits: prompts are not chunked: a step's prefill runs all its prompts whole before the running rows' decoding
+step, padded to the longest (a burst of long prompts delays the running sequences by one forward of them); a
 slot's cache holds at most the model's positions; ``--max-batch-size`` slots are allocated up front.
 """
 
@@ -118,10 +120,16 @@ class BatchEngine:
         self.decode_steps = self.decoded_rows = 0
         """Decoding forwards run and the rows they decoded (their ratio is the mean batch)."""
 
-    def _prefill(self, slot: int, ids: Sequence[int]) -> torch.Tensor:
-        positions = self.cache.begin([slot], len(ids))
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        return self.runner(tokens, positions, self.cache)  # (1, V)
+    def _prefill(self, admissions: Sequence[Admission]) -> torch.Tensor:
+        """One forward of every admitted prompt, left padded to the longest, into each one's first slot; returns the
+        next-token logits ``[len(admissions), vocab]`` (each row's last column is its last prompt token)."""
+        counts = [len(a.ids) for a in admissions]
+        width = max(counts)
+        positions = self.cache.begin([a.slots[0] for a in admissions], width, counts)
+        # The pads' id is arbitrary: they are written after the row's real tokens, which never attend to them.
+        tokens = torch.tensor([[0] * (width - len(a.ids)) + list(a.ids) for a in admissions], dtype=torch.long,
+                              device=self.device)
+        return self.runner(tokens, positions, self.cache)
 
     def check(self, admissions: Sequence[Admission]) -> None:
         """This rank's checks of a plan before any collective (ValueError/RuntimeError says what is wrong)."""
@@ -147,13 +155,14 @@ class BatchEngine:
         for admission in admissions:
             out.prompt_scores.append(score_prompt(self.loaded, admission.ids, admission.top)
                                      if admission.top is not None else None)
-            if not admission.generate:
-                continue
-            logits = self._prefill(admission.slots[0], admission.ids)
-            for slot in admission.slots[1:]:
-                self.cache.copy_slot(admission.slots[0], slot)
-            pieces.append(logits.expand(len(admission.slots), -1))
-            out.rows += admission.slots
+        generating = [a for a in admissions if a.generate]
+        if generating:
+            logits = self._prefill(generating)
+            for row, admission in enumerate(generating):
+                for slot in admission.slots[1:]:
+                    self.cache.copy_slot(admission.slots[0], slot)
+                pieces.append(logits[row:row + 1].expand(len(admission.slots), -1))
+                out.rows += admission.slots
         if decoding:
             positions = self.cache.begin(decoding, 1)
             tokens = torch.tensor([[self.last_token[s]] for s in decoding], dtype=torch.long, device=self.device)

@@ -46,8 +46,8 @@ def alone(loaded: InferenceModel, prompt: list[int], n: int) -> list[int]:
 def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout):
     loaded = tiny_loaded(layout)
     engine = BatchEngine(loaded, slots=4)
-    joins = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts admitted then (slots = prompt index)
-    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2 (a gather)
+    joins = {0: [0], 2: [1, 2, 3]}  # step -> prompts admitted then (slots = prompt index), prefilled together
+    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2, 3 (a gather)
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     widest = 0
     for step in range(16):
