@@ -41,6 +41,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
+import socket
 import sys
 import threading
 import uuid
@@ -283,14 +285,29 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             if stream:
                 return self.stream(jobs, chat, body)
             for job in jobs:
-                while wait(job) != "done":
-                    pass
+                while (state := wait(job, timeout=0.1)) != "done":
+                    if state is None and self.client_gone():
+                        return self.abandon(jobs)
             failed = [job.error for job in jobs if job.error is not None]
             if failed:
                 return self.refuse(*failed[0])
             if chat:
                 return self.reply(200, chat_answer(jobs, server.model_name, server.token_text))
             return self.reply(200, completion_answer(jobs, server.model_name, server.token_text, server.prompt_text))
+
+        def client_gone(self) -> bool:
+            """Whether the client closed the connection (or shut down its sending side): a readable socket with
+            nothing left to read."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        def abandon(self, jobs: list) -> None:
+            """The client left before its answer: stop its sequences (their slots are freed at the next step)."""
+            server.scheduler.cancel(jobs)
+            self.close_connection = True
 
         def tokenizer_endpoint(self, path: str, raw: bytes) -> None:
             body = parse_json(raw)
@@ -331,6 +348,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
                 pending = list(jobs)
                 while pending:
                     state = wait(pending[0], timeout=0.05)
+                    if self.client_gone():  # before a write to a closed socket would tell (if it ever comes)
+                        return self.abandon(jobs)
                     for job in jobs:
                         pieces = [p for p in (stream_piece(server, job, c, chat) for c in job.choices) if p]
                         if pieces:
@@ -344,8 +363,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
                     event([], usage=usage(jobs))
                 send(b"data: [DONE]\n\n")
                 send(b"")
-            except OSError:  # the client left; its sequences run to their end
-                self.close_connection = True
+            except OSError:  # the client left mid-stream
+                self.abandon(jobs)
 
         def handle_put(self) -> None:
             if self.path.rstrip("/") != "/api":

@@ -93,6 +93,8 @@ class Job:
     prompt_scores: torch.Tensor | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     error: tuple[int, str] | None = None
+    cancelled: bool = False
+    """Its client left (:meth:`Scheduler.cancel`): its slots are freed at the next step, nothing more is generated."""
 
     def __post_init__(self) -> None:
         self.choices = [Choice(self.first_index + i) for i in range(self.sampling.n)]
@@ -134,6 +136,14 @@ class Scheduler:
             self.pending.extend(jobs)
             self.condition.notify()
 
+    def cancel(self, jobs: list) -> None:
+        """Stop ``jobs`` (their client left): a waiting one is never admitted, a running one's slots are freed at
+        the next step, on every rank (the plan's ``release``)."""
+        with self.condition:
+            for job in jobs:
+                job.cancelled = True
+            self.condition.notify()
+
     def stop(self) -> None:
         with self.condition:
             self.stopping = True
@@ -147,10 +157,13 @@ class Scheduler:
                 self.condition.wait()
             if self.pending and isinstance(self.pending[0], LegacyJob):
                 return [], self.pending.popleft()
-            free = [s for s in range(self.engine.slots) if s not in self.active]
+            free = [s for s in range(self.engine.slots) if s not in self.active or self.active[s][0].cancelled]
             taken = []
             while self.pending and isinstance(self.pending[0], Job):
                 job = self.pending[0]
+                if job.cancelled:
+                    self.pending.popleft()
+                    continue
                 width = job.sampling.n if job.sampling.max_tokens > 0 else 0
                 if width > len(free):
                     break
@@ -193,12 +206,16 @@ class Scheduler:
         admissions = [Admission([c.slot for c in job.choices if c.slot is not None], job.ids,
                                 job.sampling.logprobs if job.sampling.echo and job.sampling.logprobs is not None
                                 else None, job.sampling.max_tokens > 0) for job in jobs]
-        broadcast_request({"admit": [vars(a) for a in admissions]}, device)
+        with self.condition:  # the handlers cancel under the lock; _take counted these slots as free
+            released = sorted(slot for slot, (job, _) in self.active.items() if job.cancelled)
+            for slot in released:
+                del self.active[slot]
+        broadcast_request({"admit": [vars(a) for a in admissions], "release": released}, device)
         for job in jobs:
             for choice in job.choices:
                 if choice.slot is not None:
                     self.active[choice.slot] = (job, choice)
-        out, error = run_engine_step(self.engine, admissions)
+        out, error = run_engine_step(self.engine, admissions, released)
         if error is not None:
             self._fail_all(jobs, error)
             return []
@@ -285,9 +302,13 @@ class Scheduler:
                 job.events.put("update")
 
 
-def run_engine_step(engine: BatchEngine, admissions: list[Admission]) -> tuple[StepOutput | None, str | None]:
-    """``engine.check``, then ``engine.forward(admissions)`` on this rank, failures agreed by all ranks after each:
-    ``(output, None)`` or ``(None, "<status> <message>")``, after which every rank's engine is empty."""
+def run_engine_step(engine: BatchEngine, admissions: list[Admission], released: list[int]
+                    ) -> tuple[StepOutput | None, str | None]:
+    """Free the ``released`` slots (their clients left), then ``engine.check`` and ``engine.forward(admissions)`` on
+    this rank, failures agreed by all ranks after each: ``(output, None)`` or ``(None, "<status> <message>")``, after
+    which every rank's engine is empty."""
+    for slot in released:
+        engine.release(slot)
     group = comm.world_group()
     _, error = attempt(lambda: engine.check(admissions))
     agreed = comm.first_error(error, group, engine.device)
@@ -307,7 +328,7 @@ def run_follower_loop(loaded: InferenceModel, engine: BatchEngine) -> None:
         if "legacy" in plan:
             serve_request(loaded, plan["legacy"], device)
             continue
-        out, error = run_engine_step(engine, [Admission(**a) for a in plan["admit"]])
+        out, error = run_engine_step(engine, [Admission(**a) for a in plan["admit"]], plan["release"])
         if error is None:
             choices = broadcast_choices(None, len(out.rows), device)
             engine.commit(out.rows, choices)
