@@ -242,36 +242,51 @@ class Scheduler:
         """Long ``[rows, 2]``: each row's token and whether its sequence ends (rank 0 decides for all ranks)."""
         if out.logits is None:
             return None
-        choices = torch.zeros(len(out.rows), 2, dtype=torch.long)
+        rows = [self.active[slot] for slot in out.rows]
         try:
-            logp = out.logits.log_softmax(dim=-1)
-            greedy = out.logits.max(dim=-1).indices.tolist()
-            for row, slot in enumerate(out.rows):
-                job, choice = self.active[slot]
-                token = greedy[row] if job.sampling.temperature == 0 else self._sample(out.logits[row], job, choice)
-                self._record(job, choice, token, logp[row])
-                choices[row] = torch.tensor([token, ENDED if choice.finish_reason else 0])
+            tokens = self._tokens(out.logits, rows)
+            logp = out.logits.log_softmax(dim=-1) if any(job.sampling.logprobs is not None for job, _ in rows) \
+                else None
+            for row, (job, choice) in enumerate(rows):
+                self._record(job, choice, tokens[row], None if logp is None else logp[row])
+            ends = [ENDED if choice.finish_reason else 0 for _, choice in rows]
+            return torch.tensor([tokens, ends], dtype=torch.long).t()
         except Exception as error:  # noqa: BLE001 - the other ranks wait for the choices: always send them
-            choices[:, 1] = FAILED
-            for slot in out.rows:
-                job, _ = self.active[slot]
+            for job, _ in rows:
                 job.error = (500, f"choosing tokens failed: {type(error).__name__}: {error}")
-        return choices
+            return torch.tensor([[0, FAILED]] * len(rows), dtype=torch.long)
 
-    def _sample(self, logits: torch.Tensor, job: Job, choice: Choice) -> int:
-        sampling = job.sampling
+    def _tokens(self, logits: torch.Tensor, rows: list[tuple[Job, Choice]]) -> list[int]:
+        """Each row's next token: greedy rows from one argmax; sampled rows processed together per setting
+        (``process_logits`` is per row), then each drawn with its own choice's generator."""
+        tokens = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for row, (job, _) in enumerate(rows):
+            sampling = job.sampling
+            if sampling.temperature != 0:
+                groups.setdefault((sampling.temperature, sampling.top_k, sampling.top_p), []).append(row)
+        for (temperature, top_k, top_p), group in groups.items():
+            probs = process_logits(logits[group], temperature, top_k, top_p).softmax(dim=-1)
+            for probs_row, row in zip(probs, group):
+                job, choice = rows[row]
+                tokens[row] = int(torch.multinomial(probs_row, 1, generator=self._generator(job, choice, logits)))
+        return tokens
+
+    @staticmethod
+    def _generator(job: Job, choice: Choice, logits: torch.Tensor) -> torch.Generator:
+        """The choice's generator, seeded ``seed + i`` for its choice ``i`` on its first draw."""
         if choice.generator is None:
             choice.generator = torch.Generator(device=logits.device)
-            seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+            seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(62)
             choice.generator.manual_seed((seed + choice.index - job.first_index) % 2**63)
-        processed = process_logits(logits[None], sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(torch.multinomial(processed.softmax(dim=-1), 1, generator=choice.generator))
+        return choice.generator
 
-    def _record(self, job: Job, choice: Choice, token: int, logp: torch.Tensor) -> None:
+    def _record(self, job: Job, choice: Choice, token: int, logp: torch.Tensor | None) -> None:
         """Append ``token`` to ``choice`` and decide whether it ended (end of text, length, a stop string).
 
         Handler threads read the choice meanwhile: log-probabilities come before the token, the text after it,
-        the finish reason last (so a reader that sees it sees the final text)."""
+        the finish reason last (so a reader that sees it sees the final text). ``logp``: the row's log-probabilities
+        ``[vocab]`` (None when the request asks for none)."""
         sampling = job.sampling
         if sampling.logprobs is not None:
             best = logp.topk(min(sampling.logprobs, logp.shape[0])) if sampling.logprobs else None
