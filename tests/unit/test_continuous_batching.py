@@ -111,6 +111,20 @@ def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_
     assert len(noise.choices[0].tokens) == 5
 
 
+def test_sampling_draws_only_what_the_filters_keep():
+    """Sampling with top-k 1, or a top-p only the most likely token reaches, is greedy decoding: the draw lands on a
+    kept token (rows of one setting are drawn together, each from its own generator)."""
+    loaded = tiny_loaded("gpt2")
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 4), str, max_queued=8)
+    top_k = Job(PROMPTS[0], Sampling(max_tokens=6, temperature=1.5, top_k=1, seed=4, n=2))
+    top_p = Job(PROMPTS[3], Sampling(max_tokens=6, temperature=0.5, top_p=1e-6, seed=5, n=2))
+    scheduler.submit([top_k, top_p])
+    while not (top_k.done and top_p.done):
+        scheduler.step()
+    for job in (top_k, top_p):
+        assert [c.tokens for c in job.choices] == [alone(loaded, job.ids, 6)] * 2
+
+
 def test_echo_logprobs_equal_a_full_forward_and_stop_strings_cut_the_text():
     loaded = tiny_loaded("gpt2")
     ids = [5, 9, 13, 2, 40]
