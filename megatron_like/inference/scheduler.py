@@ -9,9 +9,9 @@ it comes, the others wait for the end).
 
 Each choice samples with its own ``torch.Generator`` seeded from the request's ``seed`` (``seed + choice
 index``): the rows of one sampling setting are processed together, and each row's token is drawn by inverse CDF
-from one uniform of its own generator, so its tokens do not depend on which other requests share the batch; without a seed the generator
-takes a fresh random one. ``temperature == 0`` is greedy. The reported log-probabilities are the model's
-(before temperature, top-k and top-p), as OpenAI's.
+from one uniform of its own generator, so its tokens do not depend on which other requests share the batch;
+without a seed the generator takes a fresh random one. ``temperature == 0`` is greedy. The reported
+log-probabilities are the model's (before temperature, top-k and top-p), as OpenAI's.
 """
 
 from __future__ import annotations
