@@ -192,7 +192,7 @@ def broadcast_choices(choices: torch.Tensor | None, rows: int, device: torch.dev
     """Rank 0's ``choices`` (long ``[rows, 2]``) on every rank of the world."""
     if choices is None:
         choices = torch.zeros(rows, 2, dtype=torch.long, device=device)
-    choices = choices.to(device)
+    choices = choices.to(device).contiguous()  # a collective sends the storage as it lies
     group = comm.world_group()
     if group is not None and rows:
         comm.broadcast(choices, 0, group)

@@ -251,7 +251,7 @@ class Scheduler:
             for row, (job, choice) in enumerate(rows):
                 self._record(job, choice, tokens[row], None if logp is None else logp[row])
             ends = [ENDED if choice.finish_reason else 0 for _, choice in rows]
-            return torch.tensor([tokens, ends], dtype=torch.long).t()
+            return torch.tensor(list(zip(tokens, ends)), dtype=torch.long)  # (rows, 2), contiguous: broadcast
         except Exception as error:  # noqa: BLE001 - the other ranks wait for the choices: always send them
             for job, _ in rows:
                 job.error = (500, f"choosing tokens failed: {type(error).__name__}: {error}")
