@@ -51,11 +51,14 @@ def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int, ep: in
     scheduler.submit([after])
     while not after.done:
         scheduler.step()
-    gone = Job([7], Sampling(max_tokens=6, temperature=0))
-    scheduler.submit([gone])
+    gone = Job([5, 9], Sampling(max_tokens=6, temperature=0))
+    pair = [Job([1, 2, 3, 4], Sampling(max_tokens=3, temperature=0)), Job([7], Sampling(max_tokens=6, temperature=0))]
+    scheduler.submit([gone, *pair])  # slots 0, 1, 2, prefilled together
+    scheduler.step()
     scheduler.step()
     scheduler.cancel([gone])  # its client left: slot 0 is freed on both ranks at the next step ...
-    scheduler.step()
+    while not all(job.done for job in pair):
+        scheduler.step()
     reuse = Job([1, 2, 3, 4], Sampling(max_tokens=2, temperature=0))  # ... which rank 1 checks when it is reused
     scheduler.submit([reuse])
     while not reuse.done:
@@ -63,8 +66,8 @@ def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int, ep: in
     scheduler.stop()
     scheduler.run()  # nothing left: tells rank 1 to stop
     assert gone.choices[0].slot == reuse.choices[0].slot == 0
-    return {"errors": [job.error for job in (running, joining, scored, after, reuse)],
-            "tokens": [job.choices[0].tokens for job in (running, joining, scored, after, reuse)],
+    return {"errors": [job.error for job in (running, joining, scored, after, reuse, *pair)],
+            "tokens": [job.choices[0].tokens for job in (running, joining, scored, after, reuse, *pair)],
             "scores": scored.prompt_scores.cpu()}
 
 
@@ -82,8 +85,9 @@ def test_batched_steps_stay_in_lockstep_and_a_fault_of_one_rank_ends_the_batch_o
         return generate(loaded.model, [ids], GenerationParams(max_new_tokens=n), eod=loaded.eod,
                         vocab_size=loaded.vocab_size)[0][0].token_ids
 
-    running, joining, scored, after, reuse = result["tokens"]
+    running, joining, scored, after, reuse, *pair = result["tokens"]
     errors = result["errors"]
+    assert errors[5:] == [None, None] and pair == [greedy([1, 2, 3, 4], 3), greedy([7], 6)]  # 3 then 2 rows a step
     assert errors[0] == errors[1] and errors[0][0] == 500 and "injected fault on rank 1" in errors[0][1]
     assert errors[2] is None and errors[3] is None  # the scored prompt had ended; the next request ran
     assert errors[4] is None and reuse == greedy([1, 2, 3, 4], 2)  # a cancelled sequence's slot, freed on both
