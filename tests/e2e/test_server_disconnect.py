@@ -36,7 +36,7 @@ def served(loaded):
     server = SERVER["Server"](loaded, SERVER["Limits"](max_batch_size=2), None, "tiny", ChatTemplate())
     server.scheduler = Scheduler(loaded, BatchEngine(loaded, slots=2), server.decode, max_queued=8)
     http = SERVER["HttpServer"](("127.0.0.1", 0), SERVER["make_handler"](server, 30.0))
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread = threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True)  # quick to shut down
     thread.start()
     yield server.scheduler, http.server_address[1]
     http.shutdown()
