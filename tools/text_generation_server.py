@@ -14,7 +14,8 @@ answers, errors as ``{"error": {"message": ...}}``, streaming as server-sent eve
 uses). Requests to /v1 are batched continuously: one engine thread on rank 0
 (``megatron_like/inference/scheduler.py``) admits queued requests into free slots at every decoding step and
 every rank runs the step (``megatron_like/inference/batching.py``); ``--max-batch-size`` sequences at once,
-``--max-queued-requests`` waiting (then ``503``).
+``--max-queued-requests`` waiting (then ``503``). A /v1 client that closes its connection before the end of its
+answer stops its request: its slots are freed at the next step.
 
 ``PUT /api`` takes a JSON object with ``prompts`` (list of strings; for a checkpoint without a tokenizer,
 strings of space-separated token ids), ``tokens_to_generate``, and optionally ``temperature``, ``top_k``,
@@ -285,8 +286,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             if stream:
                 return self.stream(jobs, chat, body)
             for job in jobs:
-                while (state := wait(job, timeout=0.1)) != "done":
-                    if state is None and self.client_gone():
+                while wait(job, timeout=0.1) != "done":  # wakes at every step of the job, or every 0.1 s
+                    if self.client_gone():
                         return self.abandon(jobs)
             failed = [job.error for job in jobs if job.error is not None]
             if failed:
