@@ -5,8 +5,9 @@ its loop rank 0 broadcasts a *plan* (:func:`megatron_like.inference.serving.broa
 to admit (prompt ids, the slots of their ``n`` choices, whether their prompt is scored); then every rank runs
 :meth:`BatchEngine.forward`:
 
-1. the admitted prompts are prefilled together, one forward of all of them left padded to the longest, each into
-   its first slot (``SlotKVCache.begin`` with per-row counts), and copied to its other slots; a prompt whose
+1. the admitted prompts are prefilled together, one forward of them left padded to the longest (several forwards
+   when their lengths differ so much that padding would more than double the work: :func:`prefill_groups`), each
+   into its first slot (``SlotKVCache.begin`` with per-row counts), and copied to its other slots; a prompt whose
    log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a full forward
    (:func:`score_prompt`);
 2. one decoding step of every slot that was already generating: its last token at its own position, attending
@@ -155,10 +156,9 @@ class BatchEngine:
         for admission in admissions:
             out.prompt_scores.append(score_prompt(self.loaded, admission.ids, admission.top)
                                      if admission.top is not None else None)
-        generating = [a for a in admissions if a.generate]
-        if generating:
-            logits = self._prefill(generating)
-            for row, admission in enumerate(generating):
+        for group in prefill_groups([a for a in admissions if a.generate]):
+            logits = self._prefill(group)
+            for row, admission in enumerate(group):
                 for slot in admission.slots[1:]:
                     self.cache.copy_slot(admission.slots[0], slot)
                 pieces.append(logits[row:row + 1].expand(len(admission.slots), -1))
@@ -186,6 +186,23 @@ class BatchEngine:
         """The sequence in ``slot`` ended: free the slot."""
         self.last_token.pop(slot, None)
         self.cache.release(slot)
+
+
+def prefill_groups(admissions: Sequence[Admission]) -> list[list[Admission]]:
+    """``admissions`` split into the prompts of each prefill forward: longest first, a prompt joins the current
+    forward while the padded tokens stay within twice the real ones (so 16 prompts of similar lengths are one
+    forward, and a long prompt does not make fifteen short ones cost its length each)."""
+    groups: list[list[Admission]] = []
+    real = 0
+    for admission in sorted(admissions, key=lambda a: -len(a.ids)):
+        width = len(groups[-1][0].ids) if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= 2 * (real + len(admission.ids)):
+            groups[-1].append(admission)
+            real += len(admission.ids)
+        else:
+            groups.append([admission])
+            real = len(admission.ids)
+    return groups
 
 
 def broadcast_choices(choices: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:

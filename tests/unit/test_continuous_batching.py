@@ -13,7 +13,7 @@ import torch
 
 from megatron_like.config import ModelConfig
 from megatron_like.inference import GenerationParams, generate
-from megatron_like.inference.batching import ENDED, Admission, BatchEngine, score_prompt
+from megatron_like.inference.batching import ENDED, Admission, BatchEngine, prefill_groups, score_prompt
 from megatron_like.inference.loading import InferenceModel
 from megatron_like.inference.scheduler import Job, QueueFullError, Sampling, Scheduler, wait
 from megatron_like.model import GPTModel
@@ -46,7 +46,8 @@ def alone(loaded: InferenceModel, prompt: list[int], n: int) -> list[int]:
 def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout):
     loaded = tiny_loaded(layout)
     engine = BatchEngine(loaded, slots=4)
-    joins = {0: [0], 2: [1, 2, 3]}  # step -> prompts admitted then (slots = prompt index), prefilled together
+    joins = {0: [0], 2: [1, 2, 3]}  # step -> prompts admitted then (slots = prompt index); 9 and 3 tokens share a
+    # prefill forward (the 3 left padded), the lone token gets its own (prefill_groups)
     steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2, 3 (a gather)
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     widest = 0
@@ -65,6 +66,18 @@ def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout)
     assert widest == 4  # every sequence was in one step at some point
     for i, prompt in enumerate(PROMPTS):
         assert got[i] == alone(loaded, prompt, steps[i]), (layout, i)
+
+
+def test_prompts_of_similar_lengths_share_a_prefill_and_padding_never_doubles_the_work():
+    def widths(lengths: list[int]) -> list[list[int]]:
+        return [[len(a.ids) for a in group] for group in prefill_groups([Admission([0], [1] * n) for n in lengths])]
+
+    assert widths([32] * 16) == [[32] * 16]
+    assert widths([1, 9, 3]) == [[9, 3], [1]]  # 9 + 3 padded to 2 x 9 = 18 <= 2 x 12; with the 1: 27 > 26
+    assert widths([10] * 15 + [1000]) == [[1000, 10], [10] * 14]  # not sixteen rows of 1000
+    for lengths in ([5, 80, 7, 33, 2, 64, 9, 1], [3, 3, 4, 100, 50, 51]):
+        for group in widths(lengths):
+            assert len(group) * group[0] <= 2 * sum(group)
 
 
 def run_scheduler(loaded: InferenceModel, slots: int = 4) -> tuple[Scheduler, threading.Thread]:
