@@ -59,9 +59,10 @@ def post(port: int, body: dict) -> socket.socket:
     return sock
 
 
-def job_of(scheduler: Scheduler, ids: list[int]) -> Job:
-    jobs = [job for job in list(scheduler.pending) + [job for job, _ in scheduler.active.values()] if job.ids == ids]
-    return jobs[0] if jobs else None
+def job_of(scheduler: Scheduler, ids: list[int]) -> Job | None:
+    with scheduler.condition:  # a handler thread may be queueing meanwhile
+        jobs = list(scheduler.pending) + [job for job, _ in scheduler.active.values()]
+    return next((job for job in jobs if job.ids == ids), None)
 
 
 def slot_is_free(scheduler: Scheduler, slot: int) -> bool:
