@@ -269,7 +269,7 @@ class Scheduler:
         for (temperature, top_k, top_p), group in groups.items():
             cdf = process_logits(logits[group], temperature, top_k, top_p).softmax(dim=-1).cumsum(dim=-1)  # (g, V)
             # Inverse CDF with one uniform per row from its own choice's generator: the draw depends on nothing else
-            # in the batch (torch.multinomial per row drew V random numbers each: 12x the time of this for 16 rows).
+            # in the batch (torch.multinomial per row drew V random numbers each: benchmarks/serving_step.py).
             # Scaled to the row's total mass, the uniform lands on a token of nonzero probability.
             uniforms = torch.cat([torch.rand(1, generator=self._generator(*rows[row], logits), device=logits.device)
                                   for row in group])
