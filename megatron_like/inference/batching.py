@@ -11,7 +11,9 @@ to admit (prompt ids, the slots of their ``n`` choices, whether their prompt is 
    log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a full forward
    (:func:`score_prompt`);
 2. one decoding step of every slot that was already generating: its last token at its own position, attending
-   to its own cache (:class:`~megatron_like.inference.slot_cache.SlotKVCache`).
+   to its own cache (:class:`~megatron_like.inference.slot_cache.SlotKVCache`). The generating slots are kept
+   consecutive from 0 (:meth:`BatchEngine.commit` moves a sequence down when one below it ends), so the step
+   reads their keys and values as one view.
 
 Every rank ends with the same next-token logits ``[rows, vocab]``. Rank 0 alone chooses each row's token and
 whether its sequence ended (``megatron_like/inference/scheduler.py``: sampling with a per-request generator,
@@ -173,13 +175,27 @@ class BatchEngine:
             out.logits = torch.cat(pieces)
         return out
 
-    def commit(self, rows: Sequence[int], choices: torch.Tensor) -> None:
-        """Apply rank 0's ``choices`` (long ``[len(rows), 2]``: token, ENDED/FAILED flag) to ``rows``' slots."""
+    @torch.inference_mode()
+    def commit(self, rows: Sequence[int], choices: torch.Tensor) -> dict[int, int]:
+        """Apply rank 0's ``choices`` (long ``[len(rows), 2]``: token, ENDED/FAILED flag) to ``rows``' slots, then
+        keep the running sequences in slots ``0 .. k - 1``: each of the highest ones moves into a free slot below
+        (its cached tokens copied once), so the next decoding step reads the rows' keys and values as one view
+        rather than gathering them in every layer. Returns the moves ``{old slot: new slot}``, the same on every
+        rank (they follow from the choices)."""
         for slot, (token, flag) in zip(rows, choices.tolist()):
             if flag in (ENDED, FAILED):
                 self.release(slot)
             else:
                 self.last_token[slot] = token
+        running = len(self.last_token)
+        holes = [slot for slot in range(running) if slot not in self.last_token]
+        above = sorted((slot for slot in self.last_token if slot >= running), reverse=True)
+        moves = dict(zip(above, holes))
+        for old, new in moves.items():
+            self.cache.copy_slot(old, new)
+            self.cache.release(old)
+            self.last_token[new] = self.last_token.pop(old)
+        return moves
 
     @torch.inference_mode()
     def release(self, slot: int) -> None:

@@ -308,14 +308,17 @@ class Scheduler:
             choice.finish_reason = "length"
 
     def _commit(self, jobs: list[Job], out: StepOutput, choices: torch.Tensor | None) -> None:
-        if choices is not None:
-            self.engine.commit(out.rows, choices)
+        moves = self.engine.commit(out.rows, choices) if choices is not None else {}
         changed = {id(job): job for job in jobs}
         for row, slot in enumerate(out.rows):
             job, choice = self.active[slot]
             changed[id(job)] = job
             if int(choices[row, 1]) in (ENDED, FAILED):
                 del self.active[slot]
+        for old, new in moves.items():  # the engine moved these sequences down (BatchEngine.commit)
+            job, choice = self.active.pop(old)
+            choice.slot = new
+            self.active[new] = (job, choice)
         for job in changed.values():
             if job.error is not None or job.done:
                 job.events.put("done")

@@ -93,7 +93,7 @@ class SlotKVCache:
         positions = starts[:, None] + offsets  # (n, s)
         row_index = torch.tensor(rows, dtype=torch.long, device=self.device)[:, None].expand(-1, s)
         self._index = (row_index, positions)  # where each token is written: (slot, column), both [n, s]
-        # Consecutive slots (the usual case: free slots are taken lowest first) are read as a view, not gathered.
+        # Consecutive slots (BatchEngine keeps its running ones so) are read as a view, not gathered.
         self._span = slice(rows[0], rows[0] + len(rows)) if rows == list(range(rows[0], rows[0] + len(rows))) else None
         self._mask = {}
         self._step_rotary = {}
@@ -169,11 +169,15 @@ class SlotKVCache:
 
     # ------------------------------------------------------------------ slots
     def copy_slot(self, source: int, target: int) -> None:
-        """Make slot ``target`` a copy of ``source`` (the ``n`` choices of one prompt share its prefill)."""
-        for buffers in (self.keys, self.values, self.latents):
+        """Make slot ``target`` a copy of ``source``'s cached tokens (the ``n`` choices of one prompt share its
+        prefill; a sequence moves to a lower slot)."""
+        filled = self.lengths[source]
+        for buffers in (self.keys, self.values):
             for buffer in buffers.values():
-                buffer[target] = buffer[source]
-        self.lengths[target] = self.lengths[source]
+                buffer[target, :, :filled] = buffer[source, :, :filled]
+        for buffer in self.latents.values():
+            buffer[target, :filled] = buffer[source, :filled]
+        self.lengths[target] = filled
 
     def release(self, slot: int) -> None:
         """Free ``slot`` for the next request (its stale columns stay, masked out by the new lengths)."""

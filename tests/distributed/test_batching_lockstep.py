@@ -3,7 +3,7 @@
 echoed prompt's log-probabilities equal a one-process full forward's (the pipeline's last stage computes them), and
 a fault of rank 1 alone in a step's checks is agreed by both ranks: every sequence then in flight ends with the
 same 500, and the next request runs normally (the ranks stayed in step); a request whose client left frees its
-slot on both ranks (the next request in that slot passes rank 1's checks)."""
+slot on both ranks (the sequence that moves into it and the next request run on both in step)."""
 
 from __future__ import annotations
 
@@ -59,13 +59,13 @@ def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int, ep: in
     scheduler.cancel([gone])  # its client left: slot 0 is freed on both ranks at the next step ...
     while not all(job.done for job in pair):
         scheduler.step()
-    reuse = Job([1, 2, 3, 4], Sampling(max_tokens=2, temperature=0))  # ... which rank 1 checks when it is reused
+    reuse = Job([1, 2, 3, 4], Sampling(max_tokens=2, temperature=0))  # ... where slot 2's sequence moves (on both)
     scheduler.submit([reuse])
     while not reuse.done:
         scheduler.step()
     scheduler.stop()
     scheduler.run()  # nothing left: tells rank 1 to stop
-    assert gone.choices[0].slot == reuse.choices[0].slot == 0
+    assert gone.choices[0].slot == pair[1].choices[0].slot == 0  # the freed slot took the sequence of slot 2
     return {"errors": [job.error for job in (running, joining, scored, after, reuse, *pair)],
             "tokens": [job.choices[0].tokens for job in (running, joining, scored, after, reuse, *pair)],
             "scores": scored.prompt_scores.cpu()}
