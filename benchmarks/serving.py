@@ -13,8 +13,11 @@ requests back to back with a ``--prompt-length`` prompt of random ids:
 * ``batched``: ``POST /v1/completions`` with ``stream: true``; requests join the running batch at its next step.
 
 Per mode and load: generated tokens/s over the whole run (wall clock), the median time to first token (for
-``PUT /api`` the whole request: it answers only at the end) and the median per-token latency of a request after
-its first token. Prints a markdown table and the ratio of batched to one-at-a-time throughput at each load.
+``PUT /api`` the whole request: it answers only at the end), the median per-token latency of a request after
+its first token, and the server process's CPU time per generated token (all its threads, from ``/proc``; Linux
+only). Prints a markdown table and the ratio of batched to one-at-a-time throughput at each load, by wall clock
+and by server CPU time: on a machine shared with other work the wall-clock figures move with the load (the
+one-request path, a chain of short steps, loses more to it), while the CPU time a token costs moves much less.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import random
 import statistics
@@ -90,8 +94,19 @@ def streamed(port: int, prompt: list[int], new_tokens: int) -> tuple[float, floa
     return end - start, first - start, (end - first) / max(1, new_tokens - 1)
 
 
-def run_load(port: int, mode, clients: int, requests: int, prompt_length: int, new_tokens: int, vocab: int) -> dict:
-    """Every client sends ``requests`` requests back to back; throughput and median latencies."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (nan where ``/proc`` is missing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def run_load(port: int, mode, clients: int, requests: int, prompt_length: int, new_tokens: int, vocab: int,
+             server_pid: int) -> dict:
+    """Every client sends ``requests`` requests back to back; throughput, median latencies, server CPU per token."""
     records: list[tuple[float, float, float]] = []
     lock = threading.Lock()
 
@@ -103,15 +118,17 @@ def run_load(port: int, mode, clients: int, requests: int, prompt_length: int, n
                 records.append(result)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds(server_pid)
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
-    return {"tokens_per_s": clients * requests * new_tokens / wall,
+    wall, cpu = time.perf_counter() - start, cpu_seconds(server_pid) - cpu_start
+    tokens = clients * requests * new_tokens
+    return {"tokens_per_s": tokens / wall,
             "ttft_ms": 1000 * statistics.median(r[1] for r in records),
-            "per_token_ms": 1000 * statistics.median(r[2] for r in records)}
+            "per_token_ms": 1000 * statistics.median(r[2] for r in records),
+            "cpu_ms_per_token": 1000 * cpu / tokens}
 
 
 def main() -> None:
@@ -153,27 +170,32 @@ def main() -> None:
             for clients in args.clients:
                 for name, mode in (("one at a time (PUT /api)", one_at_a_time), ("batched (/v1, streamed)", streamed)):
                     result = run_load(args.port, mode, clients, args.requests_per_client, args.prompt_length,
-                                      args.new_tokens, args.vocab)
+                                      args.new_tokens, args.vocab, server.pid)
                     rows.append((clients, name, result))
                     print(f"clients {clients:3d} | {name:26s} | {result['tokens_per_s']:8.1f} tokens/s | TTFT "
-                          f"{result['ttft_ms']:8.1f} ms | per token {result['per_token_ms']:7.2f} ms", flush=True)
+                          f"{result['ttft_ms']:8.1f} ms | per token {result['per_token_ms']:7.2f} ms | server CPU "
+                          f"{result['cpu_ms_per_token']:6.2f} ms/token", flush=True)
         finally:
             server.terminate()
             server.wait(timeout=60)
     print(f"\nGPT {args.layers}L/{args.hidden}/{args.heads} heads, vocabulary {args.vocab}, prompt "
           f"{args.prompt_length}, {args.new_tokens} new tokens, {args.requests_per_client} requests per client, "
           f"{args.threads} thread(s)\n")
-    print("| clients | mode | generated tokens/s | median TTFT (ms) | median per-token latency (ms) |")
-    print("|---|---|---|---|---|")
+    print("| clients | mode | generated tokens/s | median TTFT (ms) | median per-token latency (ms) | "
+          "server CPU per token (ms) |")
+    print("|---|---|---|---|---|---|")
     for clients, name, result in rows:
         print(f"| {clients} | {name} | {result['tokens_per_s']:.1f} | {result['ttft_ms']:.1f} | "
-              f"{result['per_token_ms']:.2f} |")
+              f"{result['per_token_ms']:.2f} | {result['cpu_ms_per_token']:.2f} |")
     print()
-    singles = {c: r["tokens_per_s"] for c, n, r in rows if n.startswith("one")}
+    singles = {c: r for c, n, r in rows if n.startswith("one")}
     for clients, name, result in rows:
         if name.startswith("batched"):
-            print(f"{clients} clients: batched / one at a time = {result['tokens_per_s'] / singles[clients]:.2f}x; "
-                  f"batched / one-at-a-time with 1 client = {result['tokens_per_s'] / singles[min(singles)]:.2f}x")
+            alone = singles[clients]
+            print(f"{clients} clients: batched / one at a time = {result['tokens_per_s'] / alone['tokens_per_s']:.2f}x "
+                  f"by wall clock, {alone['cpu_ms_per_token'] / result['cpu_ms_per_token']:.2f}x by server CPU per "
+                  f"token; batched / one-at-a-time with 1 client = "
+                  f"{result['tokens_per_s'] / singles[min(singles)]['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ answers, errors as ``{"error": {"message": ...}}``, streaming as server-sent eve
 uses). Requests to /v1 are batched continuously: one engine thread on rank 0
 (``megatron_like/inference/scheduler.py``) admits queued requests into free slots at every decoding step and
 every rank runs the step (``megatron_like/inference/batching.py``); ``--max-batch-size`` sequences at once,
-``--max-queued-requests`` waiting (then ``503``).
+``--max-queued-requests`` waiting (then ``503``). A /v1 client that closes its connection before the end of its
+answer stops its request: its slots are freed at the next step.
 
 ``PUT /api`` takes a JSON object with ``prompts`` (list of strings; for a checkpoint without a tokenizer,
 strings of space-separated token ids), ``tokens_to_generate``, and optionally ``temperature``, ``top_k``,
@@ -41,6 +42,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
+import socket
 import sys
 import threading
 import uuid
@@ -283,14 +286,29 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             if stream:
                 return self.stream(jobs, chat, body)
             for job in jobs:
-                while wait(job) != "done":
-                    pass
+                while wait(job, timeout=0.1) != "done":  # wakes at every step of the job, or every 0.1 s
+                    if self.client_gone():
+                        return self.abandon(jobs)
             failed = [job.error for job in jobs if job.error is not None]
             if failed:
                 return self.refuse(*failed[0])
             if chat:
                 return self.reply(200, chat_answer(jobs, server.model_name, server.token_text))
             return self.reply(200, completion_answer(jobs, server.model_name, server.token_text, server.prompt_text))
+
+        def client_gone(self) -> bool:
+            """Whether the client closed the connection (or shut down its sending side): a readable socket with
+            nothing left to read."""
+            try:
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                return True
+
+        def abandon(self, jobs: list) -> None:
+            """The client left before its answer: stop its sequences (their slots are freed at the next step)."""
+            server.scheduler.cancel(jobs)
+            self.close_connection = True
 
         def tokenizer_endpoint(self, path: str, raw: bytes) -> None:
             body = parse_json(raw)
@@ -331,6 +349,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
                 pending = list(jobs)
                 while pending:
                     state = wait(pending[0], timeout=0.05)
+                    if self.client_gone():  # before a write to a closed socket would tell (if it ever comes)
+                        return self.abandon(jobs)
                     for job in jobs:
                         pieces = [p for p in (stream_piece(server, job, c, chat) for c in job.choices) if p]
                         if pieces:
@@ -344,8 +364,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
                     event([], usage=usage(jobs))
                 send(b"data: [DONE]\n\n")
                 send(b"")
-            except OSError:  # the client left; its sequences run to their end
-                self.close_connection = True
+            except OSError:  # the client left mid-stream
+                self.abandon(jobs)
 
         def handle_put(self) -> None:
             if self.path.rstrip("/") != "/api":
@@ -411,6 +431,14 @@ def stream_piece(server: Server, job, choice, chat: bool) -> dict | None:
     return {"index": choice.index, "text": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
+class HttpServer(ThreadingHTTPServer):
+    """One thread per connection, with a listen backlog deep enough for a burst of clients: socketserver's default
+    of 5 leaves the sixth simultaneous connection unanswered until the client's TCP retry, a second later."""
+
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 def build_parser():
     parser = cli.inference_parser("Serve text generation over HTTP (OpenAI's /v1 API and Megatron's PUT /api)")
     g = parser.add_argument_group("server")
@@ -459,8 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     server.scheduler = Scheduler(loaded, engine, server.decode, args.max_queued_requests)
     engine_thread = server.engine_thread = threading.Thread(target=server.scheduler.run, name="engine", daemon=True)
     engine_thread.start()
-    http = ThreadingHTTPServer((args.host, args.port), make_handler(server, args.request_timeout))
-    http.daemon_threads = True
+    http = HttpServer((args.host, args.port), make_handler(server, args.request_timeout))
     print(f"serving on http://{args.host}:{http.server_address[1]} (PUT /api, /v1/completions, "
           "/v1/chat/completions)", flush=True)
     try:

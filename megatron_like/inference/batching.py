@@ -5,11 +5,15 @@ its loop rank 0 broadcasts a *plan* (:func:`megatron_like.inference.serving.broa
 to admit (prompt ids, the slots of their ``n`` choices, whether their prompt is scored); then every rank runs
 :meth:`BatchEngine.forward`:
 
-1. each admitted prompt is prefilled alone into its first slot (one forward of its tokens) and copied to its
-   other slots; a prompt whose log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a
-   full forward (:func:`score_prompt`);
+1. the admitted prompts are prefilled together, one forward of them left padded to the longest (several forwards
+   when their lengths differ so much that padding would more than double the work: :func:`prefill_groups`), each
+   into its first slot (``SlotKVCache.begin`` with per-row counts), and copied to its other slots; a prompt whose
+   log-probabilities are asked for (``echo`` with ``logprobs``) is also scored by a full forward
+   (:func:`score_prompt`);
 2. one decoding step of every slot that was already generating: its last token at its own position, attending
-   to its own cache (:class:`~megatron_like.inference.slot_cache.SlotKVCache`).
+   to its own cache (:class:`~megatron_like.inference.slot_cache.SlotKVCache`). The generating slots are kept
+   consecutive from 0 (:meth:`BatchEngine.commit` moves a sequence down when one below it ends), so the step
+   reads their keys and values as one view.
 
 Every rank ends with the same next-token logits ``[rows, vocab]``. Rank 0 alone chooses each row's token and
 whether its sequence ended (``megatron_like/inference/scheduler.py``: sampling with a per-request generator,
@@ -22,7 +26,8 @@ of the plan (:meth:`BatchEngine.check`, no collectives: a failure of one rank al
 step, which recovers failures raised at the same point on every rank; a fault of one rank alone inside the
 model's forward leaves the others in a collective until ``--distributed-timeout-minutes``.
 
-Limits: one prefill forward per admitted prompt (prompts are not batched with each other or chunked), and a
+Limits: prompts are not chunked: a step's prefill runs all its prompts whole before the running rows' decoding
+step, padded to the longest (a burst of long prompts delays the running sequences by one forward of them); a
 slot's cache holds at most the model's positions; ``--max-batch-size`` slots are allocated up front.
 """
 
@@ -118,10 +123,16 @@ class BatchEngine:
         self.decode_steps = self.decoded_rows = 0
         """Decoding forwards run and the rows they decoded (their ratio is the mean batch)."""
 
-    def _prefill(self, slot: int, ids: Sequence[int]) -> torch.Tensor:
-        positions = self.cache.begin([slot], len(ids))
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        return self.runner(tokens, positions, self.cache)  # (1, V)
+    def _prefill(self, admissions: Sequence[Admission]) -> torch.Tensor:
+        """One forward of every admitted prompt, left padded to the longest, into each one's first slot; returns the
+        next-token logits ``[len(admissions), vocab]`` (each row's last column is its last prompt token)."""
+        counts = [len(a.ids) for a in admissions]
+        width = max(counts)
+        positions = self.cache.begin([a.slots[0] for a in admissions], width, counts)
+        # The pads' id is arbitrary: they are written after the row's real tokens, which never attend to them.
+        tokens = torch.tensor([[0] * (width - len(a.ids)) + list(a.ids) for a in admissions], dtype=torch.long,
+                              device=self.device)
+        return self.runner(tokens, positions, self.cache)
 
     def check(self, admissions: Sequence[Admission]) -> None:
         """This rank's checks of a plan before any collective (ValueError/RuntimeError says what is wrong)."""
@@ -147,13 +158,13 @@ class BatchEngine:
         for admission in admissions:
             out.prompt_scores.append(score_prompt(self.loaded, admission.ids, admission.top)
                                      if admission.top is not None else None)
-            if not admission.generate:
-                continue
-            logits = self._prefill(admission.slots[0], admission.ids)
-            for slot in admission.slots[1:]:
-                self.cache.copy_slot(admission.slots[0], slot)
-            pieces.append(logits.expand(len(admission.slots), -1))
-            out.rows += admission.slots
+        for group in prefill_groups([a for a in admissions if a.generate]):
+            logits = self._prefill(group)
+            for row, admission in enumerate(group):
+                for slot in admission.slots[1:]:
+                    self.cache.copy_slot(admission.slots[0], slot)
+                pieces.append(logits[row:row + 1].expand(len(admission.slots), -1))
+                out.rows += admission.slots
         if decoding:
             positions = self.cache.begin(decoding, 1)
             tokens = torch.tensor([[self.last_token[s]] for s in decoding], dtype=torch.long, device=self.device)
@@ -164,13 +175,27 @@ class BatchEngine:
             out.logits = torch.cat(pieces)
         return out
 
-    def commit(self, rows: Sequence[int], choices: torch.Tensor) -> None:
-        """Apply rank 0's ``choices`` (long ``[len(rows), 2]``: token, ENDED/FAILED flag) to ``rows``' slots."""
+    @torch.inference_mode()
+    def commit(self, rows: Sequence[int], choices: torch.Tensor) -> dict[int, int]:
+        """Apply rank 0's ``choices`` (long ``[len(rows), 2]``: token, ENDED/FAILED flag) to ``rows``' slots, then
+        keep the running sequences in slots ``0 .. k - 1``: each of the highest ones moves into a free slot below
+        (its cached tokens copied once), so the next decoding step reads the rows' keys and values as one view
+        rather than gathering them in every layer. Returns the moves ``{old slot: new slot}``, the same on every
+        rank (they follow from the choices)."""
         for slot, (token, flag) in zip(rows, choices.tolist()):
             if flag in (ENDED, FAILED):
                 self.release(slot)
             else:
                 self.last_token[slot] = token
+        running = len(self.last_token)
+        holes = [slot for slot in range(running) if slot not in self.last_token]
+        above = sorted((slot for slot in self.last_token if slot >= running), reverse=True)
+        moves = dict(zip(above, holes))
+        for old, new in moves.items():
+            self.cache.copy_slot(old, new)
+            self.cache.release(old)
+            self.last_token[new] = self.last_token.pop(old)
+        return moves
 
     @torch.inference_mode()
     def release(self, slot: int) -> None:
@@ -179,11 +204,28 @@ class BatchEngine:
         self.cache.release(slot)
 
 
+def prefill_groups(admissions: Sequence[Admission]) -> list[list[Admission]]:
+    """``admissions`` split into the prompts of each prefill forward: longest first, a prompt joins the current
+    forward while the padded tokens stay within twice the real ones (so 16 prompts of similar lengths are one
+    forward, and a long prompt does not make fifteen short ones cost its length each)."""
+    groups: list[list[Admission]] = []
+    real = 0
+    for admission in sorted(admissions, key=lambda a: -len(a.ids)):
+        width = len(groups[-1][0].ids) if groups else 0
+        if groups and (len(groups[-1]) + 1) * width <= 2 * (real + len(admission.ids)):
+            groups[-1].append(admission)
+            real += len(admission.ids)
+        else:
+            groups.append([admission])
+            real = len(admission.ids)
+    return groups
+
+
 def broadcast_choices(choices: torch.Tensor | None, rows: int, device: torch.device) -> torch.Tensor:
     """Rank 0's ``choices`` (long ``[rows, 2]``) on every rank of the world."""
     if choices is None:
         choices = torch.zeros(rows, 2, dtype=torch.long, device=device)
-    choices = choices.to(device)
+    choices = choices.to(device).contiguous()  # a collective sends the storage as it lies
     group = comm.world_group()
     if group is not None and rows:
         comm.broadcast(choices, 0, group)

@@ -207,18 +207,20 @@ class _Batch:
 def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) filtering of ``logits [b, v]``; removed ids get -inf.
 
-    Any temperature > 0 is numerically safe: when ``logits / temperature`` would overflow (a tiny
-    temperature), each row is first shifted so its maximum is 0 and divided by at least the smallest
-    normal float, so the best token keeps 0 and the others go to a large negative number or -inf (the
-    limit of sampling as the temperature goes to 0: greedy among tied maxima). Otherwise the values are
-    Hugging Face's ``logits / temperature`` exactly.
+    Any temperature > 0 is numerically safe: a row whose ``logits / temperature`` would overflow (a tiny
+    temperature) is first shifted so its maximum is 0 and divided by at least the smallest normal float, so
+    the best token keeps 0 and the others go to a large negative number or -inf (the limit of sampling as
+    the temperature goes to 0: greedy among tied maxima). Otherwise the values are Hugging Face's
+    ``logits / temperature`` exactly. Every step is per row, so a row's values do not depend on the
+    other rows (the server processes the rows of one setting together).
     """
     if temperature != 1.0:
         scaled = logits / temperature
-        if not bool(torch.isfinite(scaled[torch.isfinite(logits)]).all()):
+        overflows = (torch.isfinite(logits) & ~torch.isfinite(scaled)).any(dim=-1, keepdim=True)  # (b, 1)
+        if bool(overflows.any()):
             top = logits.amax(dim=-1, keepdim=True)
             top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # a row of -inf stays -inf
-            scaled = (logits - top) / max(temperature, torch.finfo(logits.dtype).tiny)
+            scaled = torch.where(overflows, (logits - top) / max(temperature, torch.finfo(logits.dtype).tiny), scaled)
         logits = scaled
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]

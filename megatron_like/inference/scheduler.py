@@ -8,9 +8,10 @@ and wakes the jobs that changed (their ``events`` queues: a streaming handler se
 it comes, the others wait for the end).
 
 Each choice samples with its own ``torch.Generator`` seeded from the request's ``seed`` (``seed + choice
-index``), so its tokens do not depend on which other requests share the batch; without a seed the generator
-takes a fresh random one. ``temperature == 0`` is greedy. The reported log-probabilities are the model's
-(before temperature, top-k and top-p), as OpenAI's.
+index``): the rows of one sampling setting are processed together, and each row's token is drawn by inverse CDF
+from one uniform of its own generator, so its tokens do not depend on which other requests share the batch;
+without a seed the generator takes a fresh random one. ``temperature == 0`` is greedy. The reported
+log-probabilities are the model's (before temperature, top-k and top-p), as OpenAI's.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class Job:
     prompt_scores: torch.Tensor | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     error: tuple[int, str] | None = None
+    cancelled: bool = False
+    """Its client left (:meth:`Scheduler.cancel`): its slots are freed at the next step, nothing more is generated."""
 
     def __post_init__(self) -> None:
         self.choices = [Choice(self.first_index + i) for i in range(self.sampling.n)]
@@ -134,6 +137,14 @@ class Scheduler:
             self.pending.extend(jobs)
             self.condition.notify()
 
+    def cancel(self, jobs: list) -> None:
+        """Stop ``jobs`` (their client left): a waiting one is never admitted, a running one's slots are freed at
+        the next step, on every rank (the plan's ``release``)."""
+        with self.condition:
+            for job in jobs:
+                job.cancelled = True
+            self.condition.notify()
+
     def stop(self) -> None:
         with self.condition:
             self.stopping = True
@@ -147,10 +158,13 @@ class Scheduler:
                 self.condition.wait()
             if self.pending and isinstance(self.pending[0], LegacyJob):
                 return [], self.pending.popleft()
-            free = [s for s in range(self.engine.slots) if s not in self.active]
+            free = [s for s in range(self.engine.slots) if s not in self.active or self.active[s][0].cancelled]
             taken = []
             while self.pending and isinstance(self.pending[0], Job):
                 job = self.pending[0]
+                if job.cancelled:
+                    self.pending.popleft()
+                    continue
                 width = job.sampling.n if job.sampling.max_tokens > 0 else 0
                 if width > len(free):
                     break
@@ -193,12 +207,16 @@ class Scheduler:
         admissions = [Admission([c.slot for c in job.choices if c.slot is not None], job.ids,
                                 job.sampling.logprobs if job.sampling.echo and job.sampling.logprobs is not None
                                 else None, job.sampling.max_tokens > 0) for job in jobs]
-        broadcast_request({"admit": [vars(a) for a in admissions]}, device)
+        with self.condition:  # the handlers cancel under the lock; _take counted these slots as free
+            released = sorted(slot for slot, (job, _) in self.active.items() if job.cancelled)
+            for slot in released:
+                del self.active[slot]
+        broadcast_request({"admit": [vars(a) for a in admissions], "release": released}, device)
         for job in jobs:
             for choice in job.choices:
                 if choice.slot is not None:
                     self.active[choice.slot] = (job, choice)
-        out, error = run_engine_step(self.engine, admissions)
+        out, error = run_engine_step(self.engine, admissions, released)
         if error is not None:
             self._fail_all(jobs, error)
             return []
@@ -225,36 +243,56 @@ class Scheduler:
         """Long ``[rows, 2]``: each row's token and whether its sequence ends (rank 0 decides for all ranks)."""
         if out.logits is None:
             return None
-        choices = torch.zeros(len(out.rows), 2, dtype=torch.long)
+        rows = [self.active[slot] for slot in out.rows]
         try:
-            logp = out.logits.log_softmax(dim=-1)
-            greedy = out.logits.max(dim=-1).indices.tolist()
-            for row, slot in enumerate(out.rows):
-                job, choice = self.active[slot]
-                token = greedy[row] if job.sampling.temperature == 0 else self._sample(out.logits[row], job, choice)
-                self._record(job, choice, token, logp[row])
-                choices[row] = torch.tensor([token, ENDED if choice.finish_reason else 0])
+            tokens = self._tokens(out.logits, rows)
+            logp = out.logits.log_softmax(dim=-1) if any(job.sampling.logprobs is not None for job, _ in rows) \
+                else None
+            for row, (job, choice) in enumerate(rows):
+                self._record(job, choice, tokens[row], None if logp is None else logp[row])
+            ends = [ENDED if choice.finish_reason else 0 for _, choice in rows]
+            return torch.tensor(list(zip(tokens, ends)), dtype=torch.long)  # (rows, 2), contiguous: broadcast
         except Exception as error:  # noqa: BLE001 - the other ranks wait for the choices: always send them
-            choices[:, 1] = FAILED
-            for slot in out.rows:
-                job, _ = self.active[slot]
+            for job, _ in rows:
                 job.error = (500, f"choosing tokens failed: {type(error).__name__}: {error}")
-        return choices
+            return torch.tensor([[0, FAILED]] * len(rows), dtype=torch.long)
 
-    def _sample(self, logits: torch.Tensor, job: Job, choice: Choice) -> int:
-        sampling = job.sampling
+    def _tokens(self, logits: torch.Tensor, rows: list[tuple[Job, Choice]]) -> list[int]:
+        """Each row's next token: greedy rows from one argmax; sampled rows processed together per setting
+        (``process_logits`` is per row), then drawn together, each with a uniform from its own choice's generator."""
+        tokens = logits.max(dim=-1).indices.tolist()  # the first maximum, as argmax
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for row, (job, _) in enumerate(rows):
+            sampling = job.sampling
+            if sampling.temperature != 0:
+                groups.setdefault((sampling.temperature, sampling.top_k, sampling.top_p), []).append(row)
+        for (temperature, top_k, top_p), group in groups.items():
+            cdf = process_logits(logits[group], temperature, top_k, top_p).softmax(dim=-1).cumsum(dim=-1)  # (g, V)
+            # Inverse CDF with one uniform per row from its own choice's generator: the draw depends on nothing else
+            # in the batch (torch.multinomial per row drew V random numbers each: benchmarks/serving_step.py).
+            # Scaled to the row's total mass, the uniform lands on a token of nonzero probability.
+            uniforms = torch.cat([torch.rand(1, generator=self._generator(*rows[row], logits), device=logits.device)
+                                  for row in group])
+            drawn = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+            for row, token in zip(group, drawn.tolist()):
+                tokens[row] = token
+        return tokens
+
+    @staticmethod
+    def _generator(job: Job, choice: Choice, logits: torch.Tensor) -> torch.Generator:
+        """The choice's generator, seeded ``seed + i`` for its choice ``i`` on its first draw."""
         if choice.generator is None:
             choice.generator = torch.Generator(device=logits.device)
-            seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+            seed = job.sampling.seed if job.sampling.seed is not None else secrets.randbits(62)
             choice.generator.manual_seed((seed + choice.index - job.first_index) % 2**63)
-        processed = process_logits(logits[None], sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(torch.multinomial(processed.softmax(dim=-1), 1, generator=choice.generator))
+        return choice.generator
 
-    def _record(self, job: Job, choice: Choice, token: int, logp: torch.Tensor) -> None:
+    def _record(self, job: Job, choice: Choice, token: int, logp: torch.Tensor | None) -> None:
         """Append ``token`` to ``choice`` and decide whether it ended (end of text, length, a stop string).
 
         Handler threads read the choice meanwhile: log-probabilities come before the token, the text after it,
-        the finish reason last (so a reader that sees it sees the final text)."""
+        the finish reason last (so a reader that sees it sees the final text). ``logp``: the row's log-probabilities
+        ``[vocab]`` (None when the request asks for none)."""
         sampling = job.sampling
         if sampling.logprobs is not None:
             best = logp.topk(min(sampling.logprobs, logp.shape[0])) if sampling.logprobs else None
@@ -270,14 +308,17 @@ class Scheduler:
             choice.finish_reason = "length"
 
     def _commit(self, jobs: list[Job], out: StepOutput, choices: torch.Tensor | None) -> None:
-        if choices is not None:
-            self.engine.commit(out.rows, choices)
+        moves = self.engine.commit(out.rows, choices) if choices is not None else {}
         changed = {id(job): job for job in jobs}
         for row, slot in enumerate(out.rows):
             job, choice = self.active[slot]
             changed[id(job)] = job
             if int(choices[row, 1]) in (ENDED, FAILED):
                 del self.active[slot]
+        for old, new in moves.items():  # the engine moved these sequences down (BatchEngine.commit)
+            job, choice = self.active.pop(old)
+            choice.slot = new
+            self.active[new] = (job, choice)
         for job in changed.values():
             if job.error is not None or job.done:
                 job.events.put("done")
@@ -285,9 +326,13 @@ class Scheduler:
                 job.events.put("update")
 
 
-def run_engine_step(engine: BatchEngine, admissions: list[Admission]) -> tuple[StepOutput | None, str | None]:
-    """``engine.check``, then ``engine.forward(admissions)`` on this rank, failures agreed by all ranks after each:
-    ``(output, None)`` or ``(None, "<status> <message>")``, after which every rank's engine is empty."""
+def run_engine_step(engine: BatchEngine, admissions: list[Admission], released: list[int]
+                    ) -> tuple[StepOutput | None, str | None]:
+    """Free the ``released`` slots (their clients left), then ``engine.check`` and ``engine.forward(admissions)`` on
+    this rank, failures agreed by all ranks after each: ``(output, None)`` or ``(None, "<status> <message>")``, after
+    which every rank's engine is empty."""
+    for slot in released:
+        engine.release(slot)
     group = comm.world_group()
     _, error = attempt(lambda: engine.check(admissions))
     agreed = comm.first_error(error, group, engine.device)
@@ -307,7 +352,7 @@ def run_follower_loop(loaded: InferenceModel, engine: BatchEngine) -> None:
         if "legacy" in plan:
             serve_request(loaded, plan["legacy"], device)
             continue
-        out, error = run_engine_step(engine, [Admission(**a) for a in plan["admit"]])
+        out, error = run_engine_step(engine, [Admission(**a) for a in plan["admit"]], plan["release"])
         if error is None:
             choices = broadcast_choices(None, len(out.rows), device)
             engine.commit(out.rows, choices)

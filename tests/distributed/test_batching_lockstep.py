@@ -2,7 +2,8 @@
 ``run_follower_loop`` on the other): sequences that join a running one get the single-process greedy tokens, an
 echoed prompt's log-probabilities equal a one-process full forward's (the pipeline's last stage computes them), and
 a fault of rank 1 alone in a step's checks is agreed by both ranks: every sequence then in flight ends with the
-same 500, and the next request runs normally (the ranks stayed in step)."""
+same 500, and the next request runs normally (the ranks stayed in step); a request whose client left frees its
+slot on both ranks (the sequence that moves into it and the next request run on both in step)."""
 
 from __future__ import annotations
 
@@ -50,10 +51,23 @@ def worker(rank: int, world_size: int, checkpoint: str, tp: int, pp: int, ep: in
     scheduler.submit([after])
     while not after.done:
         scheduler.step()
+    gone = Job([5, 9], Sampling(max_tokens=6, temperature=0))
+    pair = [Job([1, 2, 3, 4], Sampling(max_tokens=3, temperature=0)), Job([7], Sampling(max_tokens=6, temperature=0))]
+    scheduler.submit([gone, *pair])  # slots 0, 1, 2, prefilled together
+    scheduler.step()
+    scheduler.step()
+    scheduler.cancel([gone])  # its client left: slot 0 is freed on both ranks at the next step ...
+    while not all(job.done for job in pair):
+        scheduler.step()
+    reuse = Job([1, 2, 3, 4], Sampling(max_tokens=2, temperature=0))  # ... where slot 2's sequence moves (on both)
+    scheduler.submit([reuse])
+    while not reuse.done:
+        scheduler.step()
     scheduler.stop()
     scheduler.run()  # nothing left: tells rank 1 to stop
-    return {"errors": [job.error for job in (running, joining, scored, after)],
-            "tokens": [job.choices[0].tokens for job in (running, joining, scored, after)],
+    assert gone.choices[0].slot == pair[1].choices[0].slot == 0  # the freed slot took the sequence of slot 2
+    return {"errors": [job.error for job in (running, joining, scored, after, reuse, *pair)],
+            "tokens": [job.choices[0].tokens for job in (running, joining, scored, after, reuse, *pair)],
             "scores": scored.prompt_scores.cpu()}
 
 
@@ -71,10 +85,12 @@ def test_batched_steps_stay_in_lockstep_and_a_fault_of_one_rank_ends_the_batch_o
         return generate(loaded.model, [ids], GenerationParams(max_new_tokens=n), eod=loaded.eod,
                         vocab_size=loaded.vocab_size)[0][0].token_ids
 
-    running, joining, scored, after = result["tokens"]
+    running, joining, scored, after, reuse, *pair = result["tokens"]
     errors = result["errors"]
+    assert errors[5:] == [None, None] and pair == [greedy([1, 2, 3, 4], 3), greedy([7], 6)]  # 3 then 2 rows a step
     assert errors[0] == errors[1] and errors[0][0] == 500 and "injected fault on rank 1" in errors[0][1]
     assert errors[2] is None and errors[3] is None  # the scored prompt had ended; the next request ran
+    assert errors[4] is None and reuse == greedy([1, 2, 3, 4], 2)  # a cancelled sequence's slot, freed on both
     assert running == greedy([5, 9, 13], 4)[:2] and joining == greedy([7], 3)[:1]  # the tokens before the fault
     assert after == greedy([5, 9, 13], 4) and scored == greedy([1, 2, 3, 4], 1)
     with torch.no_grad():

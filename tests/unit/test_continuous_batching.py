@@ -13,7 +13,7 @@ import torch
 
 from megatron_like.config import ModelConfig
 from megatron_like.inference import GenerationParams, generate
-from megatron_like.inference.batching import ENDED, Admission, BatchEngine, score_prompt
+from megatron_like.inference.batching import ENDED, Admission, BatchEngine, prefill_groups, score_prompt
 from megatron_like.inference.loading import InferenceModel
 from megatron_like.inference.scheduler import Job, QueueFullError, Sampling, Scheduler, wait
 from megatron_like.model import GPTModel
@@ -46,12 +46,15 @@ def alone(loaded: InferenceModel, prompt: list[int], n: int) -> list[int]:
 def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout):
     loaded = tiny_loaded(layout)
     engine = BatchEngine(loaded, slots=4)
-    joins = {0: [0], 2: [1, 2], 4: [3]}  # step -> prompts admitted then (slots = prompt index)
-    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: slot 1 ends first, leaving slots 0, 2 (a gather)
+    joins = {0: [0], 2: [1, 2, 3]}  # step -> prompts admitted then (into slots 0..3); 9 and 3 tokens share a
+    # prefill forward (the 3 left padded), the lone token gets its own (prefill_groups)
+    steps = {0: 8, 1: 3, 2: 9, 3: 5}  # tokens each generates: prompt 1 ends first, then prompt 3 moves to its slot
     got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    widest = 0
+    prompt_in: dict[int, int] = {}  # slot -> the prompt whose sequence it holds
+    widest, moves_seen = 0, []
     for step in range(16):
         admissions = [Admission([i], PROMPTS[i]) for i in joins.get(step, [])]
+        prompt_in.update({i: i for i in joins.get(step, [])})
         out = engine.forward(admissions)
         if out.logits is None:
             break
@@ -59,12 +62,29 @@ def test_sequences_joining_a_running_batch_get_their_greedy_tokens_alone(layout)
         choices = torch.zeros(len(out.rows), 2, dtype=torch.long)
         for row, slot in enumerate(out.rows):
             token = int(out.logits[row].argmax())
-            got[slot].append(token)
-            choices[row] = torch.tensor([token, ENDED if len(got[slot]) == steps[slot] else 0])
-        engine.commit(out.rows, choices)
-    assert widest == 4  # every sequence was in one step at some point
+            prompt = prompt_in[slot]
+            got[prompt].append(token)
+            choices[row] = torch.tensor([token, ENDED if len(got[prompt]) == steps[prompt] else 0])
+        moves = engine.commit(out.rows, choices)
+        prompt_in = {moves.get(slot, slot): prompt for slot, prompt in prompt_in.items()
+                     if len(got[prompt]) < steps[prompt]}  # the running ones, where they are now
+        moves_seen += moves.items()
+        assert sorted(engine.last_token) == list(range(len(engine.last_token)))  # running slots stay 0 .. k-1
+    assert widest == 4 and moves_seen[0] == (3, 1)  # all four in one step; prompt 3 moved into prompt 1's slot
     for i, prompt in enumerate(PROMPTS):
         assert got[i] == alone(loaded, prompt, steps[i]), (layout, i)
+
+
+def test_prompts_of_similar_lengths_share_a_prefill_and_padding_never_doubles_the_work():
+    def widths(lengths: list[int]) -> list[list[int]]:
+        return [[len(a.ids) for a in group] for group in prefill_groups([Admission([0], [1] * n) for n in lengths])]
+
+    assert widths([32] * 16) == [[32] * 16]
+    assert widths([1, 9, 3]) == [[9, 3], [1]]  # 9 + 3 padded to 2 x 9 = 18 <= 2 x 12; with the 1: 27 > 26
+    assert widths([10] * 15 + [1000]) == [[1000, 10], [10] * 14]  # not sixteen rows of 1000
+    for lengths in ([5, 80, 7, 33, 2, 64, 9, 1], [3, 3, 4, 100, 50, 51]):
+        for group in widths(lengths):
+            assert len(group) * group[0] <= 2 * sum(group)
 
 
 def run_scheduler(loaded: InferenceModel, slots: int = 4) -> tuple[Scheduler, threading.Thread]:
@@ -98,10 +118,12 @@ def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_
     first = Job([5, 9, 13], sampled)
     noise = Job(PROMPTS[3], Sampling(max_tokens=5, temperature=1.0, seed=3))  # draws its own random numbers
     greedy = Job(PROMPTS[1], Sampling(max_tokens=2, temperature=0))
-    scheduler.submit([first, noise, greedy])
+    scheduler.submit([greedy, first, noise])  # slots 1, (2, 3), 4: greedy ends first and noise moves to slot 1
     assert sorted(scheduler.step()) == [0, 1, 2, 3, 4]  # they joined the running sequence's next step
     while not all(job.done for job in (running, first, noise, greedy)):
         scheduler.step()
+        assert all(choice.slot == slot for slot, (_, choice) in scheduler.active.items())
+    assert noise.choices[0].slot == 1  # moved down (BatchEngine.commit), followed by the scheduler
     assert [c.tokens for c in first.choices] == [c.tokens for c in solo.choices]
     assert first.choices[0].tokens != first.choices[1].tokens  # choice i samples with seed + i ...
     assert first.choices[1].tokens == second.choices[0].tokens  # ... from its own copy of the prompt's cache
@@ -109,6 +131,20 @@ def test_requests_join_the_running_batch_and_seeded_sampling_does_not_depend_on_
         n = job.sampling.max_tokens
         assert job.choices[0].tokens == alone(loaded, job.ids, n) and job.choices[0].finish_reason == "length"
     assert len(noise.choices[0].tokens) == 5
+
+
+def test_sampling_draws_only_what_the_filters_keep():
+    """Sampling with top-k 1, or a top-p only the most likely token reaches, is greedy decoding: the draw lands on a
+    kept token (rows of one setting are drawn together, each from its own generator)."""
+    loaded = tiny_loaded("gpt2")
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 4), str, max_queued=8)
+    top_k = Job(PROMPTS[0], Sampling(max_tokens=6, temperature=1.5, top_k=1, seed=4, n=2))
+    top_p = Job(PROMPTS[3], Sampling(max_tokens=6, temperature=0.5, top_p=1e-6, seed=5, n=2))
+    scheduler.submit([top_k, top_p])
+    while not (top_k.done and top_p.done):
+        scheduler.step()
+    for job in (top_k, top_p):
+        assert [c.tokens for c in job.choices] == [alone(loaded, job.ids, 6)] * 2
 
 
 def test_echo_logprobs_equal_a_full_forward_and_stop_strings_cut_the_text():

@@ -1,5 +1,6 @@
 """Sampling is numerically safe for every temperature the server accepts (issue 18: temperature 1e-300
-gave inf/nan probabilities and killed a tensor-parallel server), and non-finite parameters are refused."""
+gave inf/nan probabilities and killed a tensor-parallel server), row by row (a row's values do not depend on the
+rows processed with it), and non-finite parameters are refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def test_any_positive_temperature_gives_a_valid_distribution(temperature):
 def test_moderate_temperatures_keep_the_plain_division():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(2))
     assert torch.equal(process_logits(logits, temperature=0.7), logits / 0.7)  # Hugging Face's values
+
+
+def test_each_row_is_processed_as_if_alone():
+    """The server processes the rows of one sampling setting together: a row that overflows at a small temperature
+    (a logit of 1e30 / 1e-10) must not change how its neighbour is processed."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(3))
+    logits[0, 4] = 1e30
+    together = process_logits(logits, temperature=1e-10, top_k=5, top_p=0.9)
+    for row in range(2):
+        assert torch.equal(together[row], process_logits(logits[row:row + 1], 1e-10, 5, 0.9)[0]), row
 
 
 @pytest.mark.parametrize("field,value", [("temperature", math.nan), ("temperature", math.inf),
