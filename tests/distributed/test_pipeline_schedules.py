@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_like.config import ConfigError, parse_config
+from megatron_like.config.parallel import V_SCHEDULES
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import (
     PipelineP2P,
@@ -33,16 +34,18 @@ from megatron_like.pipeline_parallel.trace import (
     simulate_in_order_batches,
     theoretical_bubble,
 )
+from megatron_like.pipeline_parallel.v_schedules import dualpipev_steps, zb_v_steps
 from tests.distributed.megatron_order import megatron_order
 
+NAMED_ORDERS = {"zb-h1": zb_h1_steps, "zb-v": zb_v_steps, "dualpipev": dualpipev_steps}
 LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 LAYOUTS += [(pp, vp, m) for pp in (2, 3, 4) for vp in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
 
 
 def orders(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[Step]]:
     """Every rank's step order: 1F1B (vp 1), interleaved, or the named schedule."""
-    if schedule == "zb-h1":
-        return [zb_h1_steps(pp, r, m, forward_only) for r in range(pp)]
+    if schedule in NAMED_ORDERS:
+        return [NAMED_ORDERS[schedule](pp, r, m, forward_only) for r in range(pp)]
     if vp == 1:
         return [one_f_one_b_steps(pp, r, m, forward_only) for r in range(pp)]
     return [interleaved_steps(pp, r, m, vp, forward_only) for r in range(pp)]
@@ -118,7 +121,7 @@ def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: s
     result = []
     for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
         after = list(range(len(steps)))
-        for post in communication_plan(steps, pp, rank, vp):
+        for post in communication_plan(steps, pp, rank, vp, schedule in V_SCHEDULES):
             for i in post.sends:
                 after[i] = post.after
         result.append(after)
@@ -136,15 +139,27 @@ def test_simulated_schedule_has_no_deadlock_and_the_theoretical_bubble(pp, vp, m
 
 def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
                  schedule: str | None = None) -> list[list[list[tuple[str, int, int]]]]:
-    """Each rank's p2p batches as the executor issues them: activations (tag 0) go to rank + 1, gradients
-    (tag 1) to rank - 1, on the ring."""
+    """Each rank's p2p batches as the executor issues them: on the ring activations (tag 0) go to rank + 1,
+    gradients (tag 1) to rank - 1; on the V (zb-v, dualpipev) chunk 1's go the other way."""
+    v_shape = schedule in V_SCHEDULES
     batches = []
     for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
         following, preceding = (rank + 1) % pp, (rank - 1) % pp
+
+        def neighbours(step: Step) -> tuple[int, int]:
+            """The ranks holding the next and the previous stage of this step's chunk."""
+            upwards = v_shape and step.chunk == 1  # the V's chunk 1 runs from the last rank back to rank 0
+            return (preceding, following) if upwards else (following, preceding)
+
+        def send(step: Step) -> tuple[str, int, int]:
+            return ("send", neighbours(step)[0], 0) if step.kind == "F" else ("send", neighbours(step)[1], 1)
+
+        def receive(step: Step) -> tuple[str, int, int]:
+            return ("recv", neighbours(step)[1], 0) if step.kind == "F" else ("recv", neighbours(step)[0], 1)
+
         batches.append([
-            [("send", following, 0) if steps[i].kind == "F" else ("send", preceding, 1) for i in post.sends]
-            + [("recv", preceding, 0) if steps[i].kind == "F" else ("recv", following, 1) for i in post.receives]
-            for post in communication_plan(steps, pp, rank, vp)
+            [send(steps[i]) for i in post.sends] + [receive(steps[i]) for i in post.receives]
+            for post in communication_plan(steps, pp, rank, vp, v_shape)
         ])
     return batches
 
@@ -161,7 +176,7 @@ def assert_plan_runs_in_order(pp: int, vp: int, m: int, schedule: str | None = N
     simulate_in_order_batches(plan_batches(pp, vp, m, schedule=schedule))
     simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True, schedule=schedule))
     for rank, steps in enumerate(orders(pp, vp, m, schedule=schedule)):
-        posts = communication_plan(steps, pp, rank, vp)
+        posts = communication_plan(steps, pp, rank, vp, schedule in V_SCHEDULES)
         received = [i for post in posts for i in post.receives]
         sent = [i for post in posts for i in post.sends]
         assert received == sorted(set(received)) and sent == sorted(set(sent))
