@@ -45,16 +45,18 @@ pipelining.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_like.config import ConfigError
 from megatron_like.config.parallel import check_pipeline_schedule_name
+from megatron_like.pipeline_parallel.comm_plan import Post, communication_plan, in_order_plans, interleaved_warmup
 from megatron_like.pipeline_parallel.p2p import PipelineP2P, Received, pipeline_tensor_shape
 from megatron_like.pipeline_parallel.placement import ChunkPlacement
 from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, StepTiming, active_trace
@@ -170,67 +172,6 @@ def interleaved_steps(pp_size: int, pp_rank: int, num_microbatches: int, vp_size
     return steps
 
 
-class Post(NamedTuple):
-    """One batch of p2p operations, issued right after step ``after`` of a rank's order (-1: before the
-    first step). ``sends`` and ``receives`` are indices of steps in that order: the steps whose result
-    (a forward's output, a backward's input gradient) is sent, and the steps whose input is received."""
-
-    after: int
-    sends: tuple[int, ...]
-    receives: tuple[int, ...]
-
-
-def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_size: int = 1,
-                       v_shape: bool = False) -> list[Post]:
-    """When each step of ``steps`` (the order of rank ``pp_rank``) sends its result and receives its input.
-
-    A forward receives its input unless it runs the first stage and sends its output unless it runs the
-    last stage (which computes the loss); a backward receives its output gradient unless it runs the last
-    stage and sends its input gradient unless it runs the first. Where the two stages are chunks of this
-    rank (the tip of the V, ``placement.py``) the result is handed over without a message. A W step
-    (zero-bubble schedules) neither receives nor sends.
-
-    The steps are cut into slots: one step each, except that with interleaving a forward and the
-    backward right after it in the steady phase (after the warmup forwards) share a slot. After each
-    slot one batch sends the slot's results and posts the receives of the next slot, so a receive is
-    posted while the neighbour still computes the data. This is Megatron's batching
-    (``send_forward_recv_backward`` for 1F1B, ``send_forward_backward_recv_forward_backward``
-    interleaved), and it matters on NCCL, which runs a rank's batches in order on one stream: a batch
-    posted early that waits for its peer blocks every later one. The tests prove this plan free of
-    deadlocks under that rule for every layout (sending every result at once and receiving a step
-    ahead is not) and show that it keeps the theoretical bubble.
-    """
-    placement = ChunkPlacement(pp_size, vp_size, v_shape)
-
-    def receives_input(step: Step) -> bool:
-        link = placement.input_link(pp_rank, step.kind, step.chunk)
-        return link is not None and link.peer != 0
-
-    def sends_result(step: Step) -> bool:
-        link = placement.result_link(pp_rank, step.kind, step.chunk)
-        return link is not None and link.peer != 0
-
-    slots = [[i] for i in range(len(steps))]
-    forwards = sum(step.kind == "F" for step in steps)
-    interleaved = vp_size > 1 and not v_shape and not any(step.kind == "W" for step in steps)
-    if interleaved and forwards < len(steps):  # interleaved training: pair the steady phase
-        warmup = interleaved_warmup(pp_size, pp_rank, forwards // vp_size, vp_size)
-        cooldown = warmup + 2 * (forwards - warmup)
-        slots = slots[:warmup] + [[i, i + 1] for i in range(warmup, cooldown, 2)] + slots[cooldown:]
-    posts = []
-    for k in range(-1, len(slots)):
-        sends = tuple(i for i in slots[k] if sends_result(steps[i])) if k >= 0 else ()
-        receives = tuple(i for i in slots[k + 1] if receives_input(steps[i])) if k + 1 < len(slots) else ()
-        if sends or receives:
-            posts.append(Post(slots[k][-1] if k >= 0 else -1, sends, receives))
-    return posts
-
-
-def interleaved_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int) -> int:
-    """Forwards rank ``pp_rank`` runs before its first backward under interleaved 1F1B (Megatron's count)."""
-    return min(num_microbatches * vp_size, 2 * (pp_size - pp_rank - 1) + (vp_size - 1) * pp_size)
-
-
 def check_pipeline_schedule(pp_size: int, vp_size: int, num_microbatches: int) -> None:
     """Raise ConfigError (one line) when no schedule can run this layout."""
     if num_microbatches < 1:
@@ -256,9 +197,11 @@ def run_pipeline_steps(
     forward_only: bool = False,
     trace: ScheduleTrace | None = None,
     v_shape: bool = False,
+    posts: Sequence[Post] | None = None,
 ) -> list[LossStats]:
     """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours as
-    :func:`communication_plan` says (chunks placed on the ring, or on the V with ``v_shape``).
+    ``posts`` says (by default :func:`communication_plan`'s; chunks placed on the ring, or on the V with
+    ``v_shape``).
 
     Inputs and outputs of a (chunk, micro batch) are kept from its forward to its backward and
     dropped right after, so the memory held is that of the micro batches in flight. Where the order has
@@ -276,7 +219,9 @@ def run_pipeline_steps(
         check_weight_steps(steps)
     params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model] if split else []
     awaiting_w: dict[tuple[int, int], weight_grad.WeightGradWork] = {}  # (chunk, micro batch) -> its W work
-    plan = {post.after: post for post in communication_plan(steps, ps.pp_size, ps.pp_rank, vp, v_shape)}
+    if posts is None:
+        posts = communication_plan(steps, ps.pp_size, ps.pp_rank, vp, v_shape)
+    plan = {post.after: post for post in posts}
     sent = {i for post in plan.values() for i in post.sends}
     results: dict[int, torch.Tensor] = {}  # step index -> its result, until the batch that sends it
     receiving: dict[int, Received] = {}  # step index -> its posted input
@@ -417,10 +362,18 @@ def _run_v_order(order: Callable[..., list[Step]], forward_step_func: ForwardSte
         raise ValueError(f"the V schedules run two model chunks per rank, got {len(model)}")
     ps = model[0].ps
     check_pipeline_schedule(ps.pp_size, 1, num_microbatches)
-    steps = order(ps.pp_size, ps.pp_rank, num_microbatches, forward_only)
-    return run_pipeline_steps(steps, forward_step_func, _chunk_data_iterators(data_iterator, 2), model,
+    orders, plans = _v_orders_and_plans(order, ps.pp_size, num_microbatches, forward_only)
+    return run_pipeline_steps(orders[ps.pp_rank], forward_step_func, _chunk_data_iterators(data_iterator, 2), model,
                               num_microbatches, _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
-                              trace or active_trace(), v_shape=True)
+                              trace or active_trace(), v_shape=True, posts=plans[ps.pp_rank])
+
+
+@functools.cache
+def _v_orders_and_plans(order: Callable[..., list[Step]], pp_size: int, num_microbatches: int,
+                        forward_only: bool) -> tuple[list[list[Step]], list[list[Post]]]:
+    """Every rank's order and in-order-safe plan (each rank computes all: its plan depends on its neighbours')."""
+    orders = [order(pp_size, rank, num_microbatches, forward_only) for rank in range(pp_size)]
+    return orders, in_order_plans(orders, pp_size, 2, v_shape=True)
 
 
 def forward_backward_pipelining_zb_v(

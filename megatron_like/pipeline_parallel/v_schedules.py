@@ -127,3 +127,17 @@ def dualpipev_steps(pp_size: int, pp_rank: int, num_microbatches: int, forward_o
         order.weight()
         order.backward(0, weight_now=False)
     return order.finish(num_microbatches, forward_only)
+
+
+def zb_v_bubble(pp_size: int, num_microbatches: int, forward_time: float, backward_time: float,
+                weight_time: float) -> float:
+    """Idle fraction of a rank under :func:`zb_v_steps` with these step times of one chunk (half a stage):
+    ``(p-1) max(B, 2(B-W)) / (2m(F+B+W) + (p-1) max(B, 2(B-W)))`` for ``m >= 2p`` and ``F <= B``.
+
+    The idle time does not depend on F: the first B reaches rank ``r`` one B per rank later than rank
+    ``r - 1``'s, and in the cooldown a rank waits for the B of the next rank unless its own waiting W
+    steps cover it (``2(B - W)`` per rank when W is short). Found on the event simulator for every layout
+    and step times tested (``tests/distributed/test_zero_bubble_schedules.py``), not derived in closed form.
+    """
+    idle = (pp_size - 1) * max(backward_time, 2 * (backward_time - weight_time))
+    return idle / (2 * num_microbatches * (forward_time + backward_time + weight_time) + idle)

@@ -16,11 +16,11 @@ from megatron_like.pipeline_parallel import (
     PipelineP2P,
     Step,
     check_pipeline_schedule,
-    communication_plan,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
+    in_order_plans,
     interleaved_steps,
     one_f_one_b_steps,
     pipeline_tensor_shape,
@@ -119,9 +119,10 @@ def test_interleaved_in_flight_bound(pp, vp, m):
 def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[int]]:
     """Per rank, for each step, the step after which the communication plan sends its result."""
     result = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
+    every_order = orders(pp, vp, m, forward_only, schedule)
+    for steps, posts in zip(every_order, in_order_plans(every_order, pp, vp, schedule in V_SCHEDULES)):
         after = list(range(len(steps)))
-        for post in communication_plan(steps, pp, rank, vp, schedule in V_SCHEDULES):
+        for post in posts:
             for i in post.sends:
                 after[i] = post.after
         result.append(after)
@@ -143,7 +144,8 @@ def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
     gradients (tag 1) to rank - 1; on the V (zb-v, dualpipev) chunk 1's go the other way."""
     v_shape = schedule in V_SCHEDULES
     batches = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
+    every_order = orders(pp, vp, m, forward_only, schedule)
+    for rank, (steps, posts) in enumerate(zip(every_order, in_order_plans(every_order, pp, vp, v_shape))):
         following, preceding = (rank + 1) % pp, (rank - 1) % pp
 
         def neighbours(step: Step) -> tuple[int, int]:
@@ -159,7 +161,7 @@ def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
 
         batches.append([
             [send(steps[i]) for i in post.sends] + [receive(steps[i]) for i in post.receives]
-            for post in communication_plan(steps, pp, rank, vp, v_shape)
+            for post in posts
         ])
     return batches
 
@@ -175,15 +177,18 @@ def assert_plan_runs_in_order(pp: int, vp: int, m: int, schedule: str | None = N
     its step, each send after its step, one operation per direction per batch."""
     simulate_in_order_batches(plan_batches(pp, vp, m, schedule=schedule))
     simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True, schedule=schedule))
-    for rank, steps in enumerate(orders(pp, vp, m, schedule=schedule)):
-        posts = communication_plan(steps, pp, rank, vp, schedule in V_SCHEDULES)
+    every_order = orders(pp, vp, m, schedule=schedule)
+    for steps, posts in zip(every_order, in_order_plans(every_order, pp, vp, schedule in V_SCHEDULES)):
         received = [i for post in posts for i in post.receives]
         sent = [i for post in posts for i in post.sends]
-        assert received == sorted(set(received)) and sent == sorted(set(sent))
+        assert received == sorted(set(received)) and len(sent) == len(set(sent))
+        if schedule not in V_SCHEDULES:  # the ring sends in step order (the V in the order its peers receive)
+            assert sent == sorted(sent)
         assert all(post.after < i for post in posts for i in post.receives)  # posted before the step runs
         assert all(i <= post.after for post in posts for i in post.sends)  # sent once computed
-        assert all(len({steps[i].kind for i in group}) == len(group)  # one operation per direction
-                   for post in posts for group in (post.sends, post.receives))
+        if schedule not in V_SCHEDULES:  # the ring: one operation per direction (the V postpones sends)
+            assert all(len({steps[i].kind for i in group}) == len(group)
+                       for post in posts for group in (post.sends, post.receives))
 
 
 @pytest.mark.parametrize("pp,vp,m", LAYOUTS)
@@ -230,6 +235,8 @@ def test_message_streams_are_consumed_in_the_order_they_are_produced(pp, vp, m):
 
 
 def assert_streams_consumed_in_order(pp: int, vp: int, m: int, schedule: str | None = None) -> None:
+    if schedule in V_SCHEDULES:
+        return assert_v_streams_consumed_in_order(pp, m, schedule)
     ranks = orders(pp, vp, m, schedule=schedule)
     for rank in range(pp):
         receiver = (rank + 1) % pp
@@ -244,6 +251,29 @@ def assert_streams_consumed_in_order(pp: int, vp: int, m: int, schedule: str | N
         wanted = [(s.chunk, s.microbatch) for s in ranks[rank]
                   if s.kind == "B" and not (rank == pp - 1 and s.chunk == vp - 1)]
         assert sent == wanted
+
+
+def assert_v_streams_consumed_in_order(pp: int, m: int, schedule: str) -> None:
+    """The same on the V: chunk 0 of rank r is stage r, chunk 1 is stage 2pp - 1 - r (restated here, apart from
+    placement.py); a result whose next stage is on the same rank is no message."""
+
+    def stage(rank: int, chunk: int) -> int:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+
+    holder = {stage(rank, chunk): rank for rank in range(pp) for chunk in (0, 1)}
+    sent: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    wanted: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for rank, steps in enumerate(orders(pp, 2, m, schedule=schedule)):
+        for step in steps:
+            if step.kind == "W":
+                continue
+            tag, ahead = (0, 1) if step.kind == "F" else (1, -1)
+            here = stage(rank, step.chunk)
+            if 0 <= here + ahead < 2 * pp and holder[here + ahead] != rank:
+                sent.setdefault((rank, holder[here + ahead], tag), []).append((here + ahead, step.microbatch))
+            if 0 <= here - ahead < 2 * pp and holder[here - ahead] != rank:
+                wanted.setdefault((holder[here - ahead], rank, tag), []).append((here, step.microbatch))
+    assert sent == wanted and len(sent) == (4 * (pp - 1) if m else 0)
 
 
 def test_constraint_errors_are_one_line_config_errors():
@@ -277,7 +307,7 @@ def test_p2p_shape_from_config_and_mismatch_message():
     assert pipeline_tensor_shape(32, 2, 64, tp_size=4) == (32, 2, 64)
     p2p = PipelineP2P(ParallelState.single_process(torch.device("cpu")), (32, 2, 64), torch.float32)
     with pytest.raises(ValueError, match=r"\(16, 2, 64\) torch.float32 tensor but the configured pipeline tensor"):
-        p2p.post(send_next=torch.zeros(16, 2, 64))
+        p2p.post([(torch.zeros(16, 2, 64), 1, 0)])
 
 
 def test_trace_helpers():
