@@ -1,7 +1,10 @@
-"""ZB-H1 trained through pretrain() equals the single-process run: GPT and Llama, tp2 + sp, ZeRO 1-3 (with the
-overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. Each run's trace must show the
-ZB-H1 order with its W steps, and every W step must have run deferred GEMM weight gradients (so a schedule
-that silently fell back to 1F1B, or to unsplit backwards, fails here although its losses would match).
+"""The zero-bubble schedules trained through pretrain() equal the single-process run. ZB-H1: GPT and Llama, tp2 +
+sp, ZeRO 1-3 (with the overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. ZB-V and
+DualPipeV (two chunks per rank in a V, the loss on rank 0): GPT and Llama, tp2 + sp, ZeRO-1 and 3, full
+recompute, MoE at ep2, spread over few runs, at pp2 (pp4 is checked on the simulator:
+test_zero_bubble_schedules.py). Each run's trace must show its schedule's order with its W steps, and every W
+step must have run deferred GEMM weight gradients (so a schedule that silently fell back to 1F1B, or to unsplit
+backwards, fails here although its losses would match).
 
 Process groups run several layouts in turn (spawning costs more than a run), 3 steps of a 4-layer model each.
 """
@@ -12,14 +15,15 @@ import functools
 
 import pytest
 
-from megatron_like.pipeline_parallel import record_schedule, zb_h1_steps
+from megatron_like.config.parallel import V_SCHEDULES
+from megatron_like.pipeline_parallel import dualpipev_steps, record_schedule, zb_h1_steps, zb_v_steps
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_llama_parallel import LLAMA
 from tests.distributed.test_mixed_precision import assert_close_at_precision
 from tests.distributed.test_moe_parallel import MOE
 
-ZB = ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+ZB = ["--pipeline-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MODELS = {"gpt": [], "llama": LLAMA, "llama-bf16": LLAMA + ["--bf16"], "moe": MOE}
@@ -29,22 +33,36 @@ def zero(stage: int, *overlap: str) -> list[str]:
     return ["--zero-stage", str(stage), *overlap]
 
 
+EP2 = ["--expert-model-parallel-size", "2"]
 CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
     2: {
         "gpt-pp2": ("gpt", []),
         "gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
         "llama-pp2": ("llama", []),
         "llama-bf16-pp2": ("llama-bf16", []),
+        "zb-v-gpt-pp2": ("gpt", []),
+        "zb-v-llama-pp2-recompute-full": ("llama", RECOMPUTE),
+        "dualpipev-gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
+        "dualpipev-llama-pp2": ("llama", []),
     },
     4: {
         "gpt-tp2-sp-pp2": ("gpt", TP2_SP),
         "gpt-dp2-pp2-zero1-overlap": ("gpt", zero(1, "--overlap-grad-reduce")),
         "llama-dp2-pp2-zero2-overlap": ("llama", zero(2, "--overlap-grad-reduce")),
         "llama-dp2-pp2-zero3": ("llama", zero(3)),
-        "moe-dp2-pp2-ep2": ("moe", ["--expert-model-parallel-size", "2"]),
+        "moe-dp2-pp2-ep2": ("moe", EP2),
         "llama-cp2-pp2": ("llama", ["--context-parallel-size", "2"]),
+        "zb-v-llama-tp2-sp-pp2": ("llama", TP2_SP),
+        "zb-v-moe-dp2-pp2-ep2-zero3": ("moe", EP2 + zero(3)),
+        "dualpipev-gpt-dp2-pp2-zero1-overlap": ("gpt", zero(1, "--overlap-grad-reduce")),
+        "dualpipev-moe-dp2-pp2-ep2": ("moe", EP2),
     },
 }
+
+
+def schedule_of(name: str) -> str:
+    """The case's --pipeline-schedule: named by its prefix, else zb-h1."""
+    return next((schedule for schedule in V_SCHEDULES if name.startswith(schedule + "-")), "zb-h1")
 
 
 def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
@@ -81,7 +99,8 @@ def reference(model: str) -> dict:
 @functools.cache
 def runs(world_size: int) -> dict[str, list[dict]]:
     names = list(CASES[world_size])
-    flag_lists = [MODELS[CASES[world_size][n][0]] + ZB + CASES[world_size][n][1] for n in names]
+    flag_lists = [MODELS[CASES[world_size][n][0]] + ZB + CASES[world_size][n][1]
+                  + ["--pipeline-schedule", schedule_of(n)] for n in names]
     per_rank = run_distributed(train_many, world_size, flag_lists, timeout=900)
     return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(names)}
 
@@ -101,14 +120,16 @@ def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> Non
         assert result["closures_per_w"] and min(result["closures_per_w"]) > 0
 
 
-def test_traced_order_is_zb_h1() -> None:
-    """The order run (3 training steps, then evaluations) is zb_h1_steps' for the rank's stage."""
-    results = runs(2)["gpt-pp2"]
+@pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1), ("zb-v-gpt-pp2", zb_v_steps, 2),
+                                                  ("dualpipev-llama-pp2", dualpipev_steps, 2)])
+def test_traced_order_is_the_schedules(name: str, steps_of, chunks: int) -> None:
+    """The order run (3 training steps, then evaluations) is the schedule's for the rank's stage."""
+    results = runs(2)[name]
     for stage, result in enumerate(results):
         steps = result["steps"]
-        order = [tuple(s) for s in zb_h1_steps(2, stage, 4)]
+        order = [tuple(s) for s in steps_of(2, stage, 4)]
         assert steps[: 3 * len(order)] == order * 3
-        assert len(result["closures_per_w"]) == 3 * 4  # one W per micro batch and step
+        assert len(result["closures_per_w"]) == 3 * 4 * chunks  # one W per micro batch, chunk and step
 
 
 def peak_bytes_per_schedule(rank: int, world_size: int) -> dict[str, int]:
