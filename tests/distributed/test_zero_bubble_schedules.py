@@ -167,7 +167,8 @@ def test_v_placement():
     assert [[placement.stage(r, c) for c in (0, 1)] for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
     assert [chunk_layers(12, 3, r, 2, c, v_shape=True) for r in range(3) for c in (0, 1)] == \
         [range(0, 2), range(10, 12), range(2, 4), range(8, 10), range(4, 6), range(6, 8)]
-    assert placement.is_first(0, 0) and placement.is_last(0, 1) and not placement.is_last(2, 1)
+    assert [(r, c) for r in range(3) for c in (0, 1) if placement.is_first(r, c)] == [(0, 0)]
+    assert [(r, c) for r in range(3) for c in (0, 1) if placement.is_last(r, c)] == [(0, 1)]
     assert placement.result_link(1, "F", 0) == (1, 0, 0) and placement.result_link(1, "F", 1) == (-1, 0, 1)
     assert placement.result_link(2, "F", 0) == (0, 0, 1) and placement.result_link(2, "B", 1) == (0, 1, 0)
     assert placement.result_link(1, "B", 1) == (1, 1, 1) and placement.input_link(1, "B", 1) == (-1, 1, 1)
