@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from megatron_like.pipeline_parallel.trace import Step
+from megatron_like.pipeline_parallel.trace import Step, idle_fractions, simulate
+from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble
 
 
 class _Order:
@@ -141,3 +142,18 @@ def zb_v_bubble(pp_size: int, num_microbatches: int, forward_time: float, backwa
     """
     idle = (pp_size - 1) * max(backward_time, 2 * (backward_time - weight_time))
     return idle / (2 * num_microbatches * (forward_time + backward_time + weight_time) + idle)
+
+
+def zero_bubble_schedule_bubble(schedule: str, pp_size: int, num_microbatches: int, forward_time: float,
+                                backward_time: float, weight_time: float) -> float:
+    """Idle fraction of ``zb-h1``, ``zb-v`` or ``dualpipev`` with these step times of a whole stage: ZB-H1's and
+    ZB-V's formulas (a V chunk's times are half a stage's); DualPipeV's by simulating its order (no closed
+    form without the overlap of its pairs), with ``m`` at least ``2p`` there."""
+    if schedule == "zb-h1":
+        return zb_h1_bubble(pp_size, num_microbatches, forward_time, backward_time, weight_time)
+    chunk_times = (forward_time / 2, backward_time / 2, weight_time / 2)
+    if schedule == "zb-v":
+        return zb_v_bubble(pp_size, num_microbatches, *chunk_times)
+    events = simulate([dualpipev_steps(pp_size, r, num_microbatches) for r in range(pp_size)], 2, chunk_times[0],
+                      chunk_times[1], weight_time=chunk_times[2], v_shape=True)
+    return max(idle_fractions(events))
