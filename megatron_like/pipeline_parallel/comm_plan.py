@@ -96,91 +96,89 @@ def in_order_plans(orders: Sequence[Sequence[Step]], pp_size: int, vp_size: int 
                    v_shape: bool = False) -> list[list[Post]]:
     """Every rank's plan (``orders[pp_rank]`` its steps), free of deadlocks under NCCL's in-order rule and with
     each pair of ranks' messages sent in the order they are received (NCCL ignores tags): the
-    :func:`communication_plan` of each rank, on the V with the sends postponed that would break either."""
+    :func:`communication_plan` of each rank, on the V with the sends postponed that would hold a batch.
+
+    The batches of all ranks are replayed under the in-order rule (``trace.simulate_in_order_batches``) with
+    every message named by what it carries, so a send out of its peer's order waits like one whose receive is
+    posted later. Whenever no running batch can end, one unfinished send of a running batch moves to the batch
+    issued after the rank's next step, and the replay goes on from there (what ran before is unchanged). So
+    every pair's messages also end up in the order the peer receives them; within a batch the sends go in that
+    order too."""
     plans = [communication_plan(steps, pp_size, rank, vp_size, v_shape) for rank, steps in enumerate(orders)]
     if not v_shape:
         return plans
-    messages = _VMessages(orders, ChunkPlacement(pp_size, vp_size, v_shape))
-    send_after = [{i: post.after for post in plan for i in post.sends} for plan in plans]
-    receive_posts = [[post._replace(sends=()) for post in plan if post.receives] for plan in plans]
-    while True:
-        messages.align(send_after)
-        posts = [messages.posts(rank, send_after[rank], receive_posts[rank]) for rank in range(pp_size)]
-        blocked = messages.blocked_send(posts)
-        if blocked is None:
-            return posts
-        rank, index = blocked
-        if send_after[rank][index] + 1 >= len(orders[rank]):
-            raise RuntimeError(f"cannot postpone the send of step {index} of rank {rank}: it is the last batch")
-        send_after[rank][index] += 1
-
-
-class _VMessages:
-    """The messages of all ranks' orders on the V, each named ``(sender, receiver, k)``: the k-th the receiver
-    takes from that sender, in its own order (the order NCCL must deliver them in)."""
-
-    def __init__(self, orders: Sequence[Sequence[Step]], placement: ChunkPlacement) -> None:
-        pp = placement.pp_size
-        self.names: list[dict[tuple[str, int], tuple[int, int, int]]] = [{} for _ in range(pp)]
-        """Per rank: ("send" | "recv", step index) -> the message's name."""
-        wanted: dict[tuple[int, int], list[tuple[int, Step]]] = {}  # (sender, receiver) -> (sender, its step)
-        for rank, steps in enumerate(orders):
-            for index, step in enumerate(steps):
-                link = placement.input_link(rank, step.kind, step.chunk)
-                if link is not None and link.peer != 0:
-                    sender = (rank + link.peer) % pp
-                    stream = wanted.setdefault((sender, rank), [])
-                    self.names[rank][("recv", index)] = (sender, rank, len(stream))
-                    stream.append(Step(step.kind, link.chunk, step.microbatch))
-        for rank, steps in enumerate(orders):
-            for index, step in enumerate(steps):
-                link = placement.result_link(rank, step.kind, step.chunk)
-                if link is not None and link.peer != 0:
-                    receiver = (rank + link.peer) % pp
-                    k = wanted[(rank, receiver)].index(step)
-                    self.names[rank][("send", index)] = (rank, receiver, k)
-
-    def align(self, send_after: list[dict[int, int]]) -> None:
-        """Postpone sends so that each rank sends to each peer in the order the peer receives."""
-        for rank, after in enumerate(send_after):
-            latest: dict[int, int] = {}
-            for index in sorted(after, key=lambda i: self.names[rank][("send", i)]):
-                receiver = self.names[rank][("send", index)][1]
-                after[index] = max(after[index], latest.get(receiver, -1))
-                latest[receiver] = after[index]
-
-    def posts(self, rank: int, send_after: dict[int, int], receive_posts: list[Post]) -> list[Post]:
-        """The rank's batches: its receives where the plan posts them, its sends where ``send_after`` says,
-        several sends of one batch in the order their peers receive them."""
-        sends: dict[int, list[int]] = {}
-        for index, after in send_after.items():
-            sends.setdefault(after, []).append(index)
-        batches = {post.after: post for post in receive_posts}
-        for after, indices in sends.items():
-            ordered = tuple(sorted(indices, key=lambda i: self.names[rank][("send", i)]))
-            batches[after] = batches.get(after, Post(after, (), ()))._replace(sends=ordered)
-        return [batches[after] for after in sorted(batches)]
-
-    def blocked_send(self, plans: list[list[Post]]) -> tuple[int, int] | None:
-        """Replay every rank's batches in order (NCCL's rule, ``trace.simulate_in_order_batches``). Return None
-        when all end, else ``(rank, step index)`` of a send holding a stuck batch while its receive waits in a
-        later batch of the peer."""
-        batches = [[{self.names[rank][(kind, i)]: (kind, i) for kind, group in (("send", post.sends),
-                                                                             ("recv", post.receives))
-                     for i in group} for post in plan] for rank, plan in enumerate(plans)]
-        pp = len(batches)
-        position, completed = [0] * pp, set()
-        while any(position[rank] < len(batches[rank]) for rank in range(pp)):
-            running = [batches[r][position[r]] if position[r] < len(batches[r]) else {} for r in range(pp)]
-            for rank, batch in enumerate(running):
-                completed |= {m for m in batch if m in running[m[1] if m[0] == rank else m[0]]}
-            finished = [rank for rank, batch in enumerate(running) if batch and set(batch) <= completed]
-            if not finished:
-                for rank, batch in enumerate(running):
-                    for message, (kind, index) in sorted(batch.items()):
-                        if kind == "send" and message not in completed:
-                            return rank, index
-                raise RuntimeError(f"p2p batches deadlock on receives alone: ranks stuck at batches {position}")
+    names = _message_names(orders, ChunkPlacement(pp_size, vp_size, v_shape))
+    # Per rank, its batches in order: [after, {message: ("send" | "recv", step index)}].
+    batches = [[[post.after, {names[rank][(kind, i)]: (kind, i) for kind, group in (("send", post.sends),
+                                                                                   ("recv", post.receives))
+                              for i in group}] for post in plan] for rank, plan in enumerate(plans)]
+    for rank_batches in batches:
+        _align(rank_batches)
+    position, completed = [0] * pp_size, set()
+    while any(position[rank] < len(batches[rank]) for rank in range(pp_size)):
+        running = [batches[r][position[r]][1] if position[r] < len(batches[r]) else {} for r in range(pp_size)]
+        for rank, batch in enumerate(running):
+            completed |= {m for m in batch if m in running[m[1] if m[0] == rank else m[0]]}
+        finished = [rank for rank in range(pp_size)
+                    if position[rank] < len(batches[rank]) and set(running[rank]) <= completed]
+        if finished:
             for rank in finished:
                 position[rank] += 1
-        return None
+            continue
+        rank, message = next(((rank, m) for rank, batch in enumerate(running)
+                              for m, (kind, _) in sorted(batch.items()) if kind == "send" and m not in completed),
+                             (None, None))
+        if rank is None:
+            raise RuntimeError(f"p2p batches deadlock on receives alone: ranks stuck at batches {position}")
+        _postpone(batches[rank], position[rank], message, len(orders[rank]))
+    return [[Post(after, tuple(i for _, (kind, i) in sorted(batch.items()) if kind == "send"),
+                  tuple(sorted(i for kind, i in batch.values() if kind == "recv")))
+             for after, batch in rank_batches if batch] for rank_batches in batches]
+
+
+def _align(batches: list[list]) -> None:
+    """Postpone sends of one rank so that it sends to each peer in the order the peer receives: a message goes
+    no earlier than the batch of the one its peer takes before it."""
+    where = {m: k for k, (_, batch) in enumerate(batches) for m, (kind, _) in batch.items() if kind == "send"}
+    latest: dict[int, int] = {}  # receiver -> batch of the last message placed
+    for message in sorted(where):
+        k = max(where[message], latest.get(message[1], 0))
+        if k != where[message]:
+            batches[k][1][message] = batches[where[message]][1].pop(message)
+        latest[message[1]] = k
+
+
+def _postpone(batches: list[list], k: int, message: tuple[int, int, int], num_steps: int) -> None:
+    """Move ``message`` (a send) from batch ``k`` to the batch issued after the next step (made if needed), with
+    the sends of batch ``k`` that its peer takes after it (the pair's order stays the peer's)."""
+    after = batches[k][0] + 1
+    if after >= num_steps:
+        raise RuntimeError(f"cannot postpone a send past the last step ({message})")
+    if not (k + 1 < len(batches) and batches[k + 1][0] == after):
+        batches.insert(k + 1, [after, {}])
+    for other in [m for m, (kind, _) in batches[k][1].items() if kind == "send"]:
+        if other[:2] == message[:2] and other[2] >= message[2]:
+            batches[k + 1][1][other] = batches[k][1].pop(other)
+
+
+def _message_names(orders: Sequence[Sequence[Step]],
+                   placement: ChunkPlacement) -> list[dict[tuple[str, int], tuple[int, int, int]]]:
+    """Per rank, ``("send" | "recv", step index)`` -> the message's name ``(sender, receiver, k)``: the k-th
+    the receiver takes from that sender, in its own order (the order NCCL must deliver them in)."""
+    pp = placement.pp_size
+    names: list[dict[tuple[str, int], tuple[int, int, int]]] = [{} for _ in range(pp)]
+    wanted: dict[tuple[int, int], dict[Step, int]] = {}  # (sender, receiver) -> the sender's step -> k
+    for rank, steps in enumerate(orders):
+        for index, step in enumerate(steps):
+            link = placement.input_link(rank, step.kind, step.chunk)
+            if link is not None and link.peer != 0:
+                stream = wanted.setdefault(((rank + link.peer) % pp, rank), {})
+                names[rank][("recv", index)] = ((rank + link.peer) % pp, rank, len(stream))
+                stream[Step(step.kind, link.chunk, step.microbatch)] = len(stream)
+    for rank, steps in enumerate(orders):
+        for index, step in enumerate(steps):
+            link = placement.result_link(rank, step.kind, step.chunk)
+            if link is not None and link.peer != 0:
+                receiver = (rank + link.peer) % pp
+                names[rank][("send", index)] = (rank, receiver, wanted[(rank, receiver)][step])
+    return names

@@ -4,6 +4,7 @@ the up-front errors."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -26,6 +27,7 @@ from megatron_like.pipeline_parallel import (
     pipeline_tensor_shape,
     zb_h1_steps,
 )
+from megatron_like.pipeline_parallel.comm_plan import Post
 from megatron_like.pipeline_parallel.trace import (
     chrome_trace,
     idle_fractions,
@@ -116,11 +118,16 @@ def test_interleaved_in_flight_bound(pp, vp, m):
         assert max_in_flight(steps) == min(warmup + 1, vp * m)
 
 
+@functools.cache
+def plans(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[Post]]:
+    """Every rank's communication plan as the executor computes it (cached: the V's takes a replay to make)."""
+    return in_order_plans(orders(pp, vp, m, forward_only, schedule), pp, vp, schedule in V_SCHEDULES)
+
+
 def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[int]]:
     """Per rank, for each step, the step after which the communication plan sends its result."""
     result = []
-    every_order = orders(pp, vp, m, forward_only, schedule)
-    for steps, posts in zip(every_order, in_order_plans(every_order, pp, vp, schedule in V_SCHEDULES)):
+    for steps, posts in zip(orders(pp, vp, m, forward_only, schedule), plans(pp, vp, m, forward_only, schedule)):
         after = list(range(len(steps)))
         for post in posts:
             for i in post.sends:
@@ -145,7 +152,7 @@ def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
     v_shape = schedule in V_SCHEDULES
     batches = []
     every_order = orders(pp, vp, m, forward_only, schedule)
-    for rank, (steps, posts) in enumerate(zip(every_order, in_order_plans(every_order, pp, vp, v_shape))):
+    for rank, (steps, posts) in enumerate(zip(every_order, plans(pp, vp, m, forward_only, schedule))):
         following, preceding = (rank + 1) % pp, (rank - 1) % pp
 
         def neighbours(step: Step) -> tuple[int, int]:
@@ -177,8 +184,7 @@ def assert_plan_runs_in_order(pp: int, vp: int, m: int, schedule: str | None = N
     its step, each send after its step, one operation per direction per batch."""
     simulate_in_order_batches(plan_batches(pp, vp, m, schedule=schedule))
     simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True, schedule=schedule))
-    every_order = orders(pp, vp, m, schedule=schedule)
-    for steps, posts in zip(every_order, in_order_plans(every_order, pp, vp, schedule in V_SCHEDULES)):
+    for steps, posts in zip(orders(pp, vp, m, schedule=schedule), plans(pp, vp, m, schedule=schedule)):
         received = [i for post in posts for i in post.receives]
         sent = [i for post in posts for i in post.sends]
         assert received == sorted(set(received)) and len(sent) == len(set(sent))

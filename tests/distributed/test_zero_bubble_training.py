@@ -1,7 +1,7 @@
 """The zero-bubble schedules trained through pretrain() equal the single-process run. ZB-H1: GPT and Llama, tp2 +
 sp, ZeRO 1-3 (with the overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. ZB-V and
 DualPipeV (two chunks per rank in a V, the loss on rank 0): GPT and Llama, tp2 + sp, ZeRO-1 and 3, full
-recompute, MoE at ep2, spread over few runs, at pp2 (pp4 is checked on the simulator:
+recompute, MoE at ep2, spread over six runs, at pp2 (pp4 is checked on the simulator:
 test_zero_bubble_schedules.py). Each run's trace must show its schedule's order with its W steps, and every W
 step must have run deferred GEMM weight gradients (so a schedule that silently fell back to 1F1B, or to unsplit
 backwards, fails here although its losses would match).
@@ -40,9 +40,7 @@ CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
         "gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
         "llama-pp2": ("llama", []),
         "llama-bf16-pp2": ("llama-bf16", []),
-        "zb-v-gpt-pp2": ("gpt", []),
-        "zb-v-llama-pp2-recompute-full": ("llama", RECOMPUTE),
-        "dualpipev-gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
+        "zb-v-gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
         "dualpipev-llama-pp2": ("llama", []),
     },
     4: {
@@ -54,7 +52,7 @@ CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
         "llama-cp2-pp2": ("llama", ["--context-parallel-size", "2"]),
         "zb-v-llama-tp2-sp-pp2": ("llama", TP2_SP),
         "zb-v-moe-dp2-pp2-ep2-zero3": ("moe", EP2 + zero(3)),
-        "dualpipev-gpt-dp2-pp2-zero1-overlap": ("gpt", zero(1, "--overlap-grad-reduce")),
+        "dualpipev-gpt-dp2-pp2-zero1-overlap-recompute-full": ("gpt", zero(1, "--overlap-grad-reduce") + RECOMPUTE),
         "dualpipev-moe-dp2-pp2-ep2": ("moe", EP2),
     },
 }
@@ -120,7 +118,8 @@ def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> Non
         assert result["closures_per_w"] and min(result["closures_per_w"]) > 0
 
 
-@pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1), ("zb-v-gpt-pp2", zb_v_steps, 2),
+@pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1),
+                                                  ("zb-v-gpt-pp2-recompute-full", zb_v_steps, 2),
                                                   ("dualpipev-llama-pp2", dualpipev_steps, 2)])
 def test_traced_order_is_the_schedules(name: str, steps_of, chunks: int) -> None:
     """The order run (3 training steps, then evaluations) is the schedule's for the rank's stage."""
