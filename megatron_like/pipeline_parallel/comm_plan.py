@@ -149,16 +149,13 @@ def _align(batches: list[list]) -> None:
 
 
 def _postpone(batches: list[list], k: int, message: tuple[int, int, int], num_steps: int) -> None:
-    """Move ``message`` (a send) from batch ``k`` to the batch issued after the next step (made if needed), with
-    the sends of batch ``k`` that its peer takes after it (the pair's order stays the peer's)."""
+    """Move ``message`` (a send) from batch ``k`` to the batch issued after the next step (made if needed)."""
     after = batches[k][0] + 1
     if after >= num_steps:
         raise RuntimeError(f"cannot postpone a send past the last step ({message})")
     if not (k + 1 < len(batches) and batches[k + 1][0] == after):
         batches.insert(k + 1, [after, {}])
-    for other in [m for m, (kind, _) in batches[k][1].items() if kind == "send"]:
-        if other[:2] == message[:2] and other[2] >= message[2]:
-            batches[k + 1][1][other] = batches[k][1].pop(other)
+    batches[k + 1][1][message] = batches[k][1].pop(message)
 
 
 def _message_names(orders: Sequence[Sequence[Step]],
