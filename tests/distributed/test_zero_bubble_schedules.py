@@ -19,7 +19,6 @@ from megatron_like.pipeline_parallel import (
     forward_backward_pipelining_zero_bubble,
     get_forward_backward_func,
     one_f_one_b_steps,
-    zb_h1_steps,
 )
 from megatron_like.pipeline_parallel.placement import ChunkPlacement
 from megatron_like.pipeline_parallel.trace import (
@@ -78,15 +77,20 @@ def test_zb_h1_plan_runs_on_in_order_streams_without_tags(pp, m):
     assert_streams_consumed_in_order(pp, 1, m, "zb-h1")
 
 
-def test_weight_step_errors():
-    good = zb_h1_steps(2, 0, 2)
+@pytest.mark.parametrize("schedule", ["zb-h1", *V_SCHEDULES])
+def test_weight_step_errors(schedule):
+    """The executor refuses an order whose W runs twice, never, or before its B (``check_weight_steps``)."""
+    good = orders(2, 2, 2, schedule=schedule)[0]
     check_weight_steps(good)
-    with pytest.raises(ValueError, match="W of micro batch 0 .* runs twice"):
-        check_weight_steps(good + [Step("W", 0, 0)])
-    with pytest.raises(ValueError, match="W of micro batch 1 .* never runs"):
-        check_weight_steps([s for s in good if s != Step("W", 0, 1)])
-    early = [Step("F", 0, 0), Step("W", 0, 0), Step("B", 0, 0)]
-    with pytest.raises(ValueError, match="W of micro batch 0 .* runs before its B"):
+    last = [s for s in good if s.kind == "W"][-1]
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* runs twice"):
+        check_weight_steps(good + [last])
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* never runs"):
+        check_weight_steps([s for s in good if s != last])
+    backward = good.index(Step("B", last.chunk, last.microbatch))
+    early = [s for s in good if s != last]
+    early.insert(backward, last)  # right before its B
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* runs before its B"):
         check_weight_steps(early)
 
 
