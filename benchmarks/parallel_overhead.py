@@ -22,6 +22,8 @@ The data-parallel modes also run on 4 processes (``--world-size 4 --modes dp zer
   ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``, 8 micro batches of one sample, one layer per virtual stage.
 - ``pp-zb-h1``: our ``--pipeline-schedule zb-h1`` vs ``ScheduleInterleavedZeroBubble`` with one stage per rank
   (torch's zero-bubble schedule with input and weight backward split, the same placement as ours).
+- ``pp-zb-v`` / ``pp-dualpipev``: our ``--pipeline-schedule zb-v`` / ``dualpipev`` vs ``ScheduleZBVZeroBubble`` /
+  ``ScheduleDualPipeV``, two stages per rank placed in a V (rank r holds stages r and 2p - 1 - r) on both sides.
 
 Both sides train the same architecture on the same tokens with the same AdamW (lr, betas, eps, weight decay
 on matrices only) and gradient clipping at 1.0. dp and zero3 wrap our own ``GPTModel`` of one process (tied
@@ -89,8 +91,10 @@ from megatron_like.config import Config, parse_config  # noqa: E402
 from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.optimizer import param_groups  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
+from megatron_like.pipeline_parallel.placement import virtual_stage  # noqa: E402
 
-MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp", "pp", "pp-interleaved", "pp-zb-h1")
+MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch", "tp", "pp", "pp-interleaved", "pp-zb-h1", "pp-zb-v",
+         "pp-dualpipev")
 DATA_PARALLEL_MODES = ("dp", "zero1", "zero2", "zero3", "zero3-prefetch")  # these also run on 4 processes
 # tp and pp compare with a plain GPT whose head is untied and which has no position table (DTensor's plan and
 # the pipeline split are simplest that way); ours runs the same architecture through its flags.
@@ -107,6 +111,8 @@ OUR_FLAGS = {
     "pp-interleaved": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     + _PLAIN_GPT,
     "pp-zb-h1": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"] + _PLAIN_GPT,
+    "pp-zb-v": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"] + _PLAIN_GPT,
+    "pp-dualpipev": ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"] + _PLAIN_GPT,
 }
 MARK = "parallel_overhead.measured_step"
 Step = Callable[[], None]
@@ -391,7 +397,9 @@ def _build_pipelining(config: Config, tokens: torch.Tensor, schedule_class: str)
     per_stage = config.model.num_layers // num_stages
     stages, modules = [], []
     for chunk in range(chunks):
-        index = chunk * world + rank  # Megatron's and torch's interleaved placement: stage i on rank i % world
+        # Megatron's and torch's interleaved placement (stage i on rank i % world), or the V's (our zb-v and
+        # dualpipev, torch's ScheduleZBVZeroBubble and ScheduleDualPipeV).
+        index = virtual_stage(world, rank, chunks, chunk, config.parallel.v_shape)
         torch.manual_seed(config.training.seed + index)
         module = PlainGPT(config, vocab, range(index * per_stage, (index + 1) * per_stage),
                           pre=index == 0, post=index == num_stages - 1)
@@ -408,7 +416,7 @@ def _build_pipelining(config: Config, tokens: torch.Tensor, schedule_class: str)
     params = [p for m in modules for p in m.parameters()]
     optimizer = _adamw(config, nn.ModuleList(modules), fused=True)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    first, last = rank == 0, rank == (num_stages - 1) % world
+    first, last = rank == 0, rank == (0 if config.parallel.v_shape else (num_stages - 1) % world)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -436,6 +444,8 @@ PEERS: dict[str, tuple[str, Callable[[Config, torch.Tensor], Step]]] = {
                        lambda c, t: _build_pipelining(c, t, "ScheduleInterleaved1F1B")),
     "pp-zb-h1": ("pipelining ScheduleInterleavedZeroBubble",
                  lambda c, t: _build_pipelining(c, t, "ScheduleInterleavedZeroBubble")),
+    "pp-zb-v": ("pipelining ScheduleZBVZeroBubble", lambda c, t: _build_pipelining(c, t, "ScheduleZBVZeroBubble")),
+    "pp-dualpipev": ("pipelining ScheduleDualPipeV", lambda c, t: _build_pipelining(c, t, "ScheduleDualPipeV")),
 }
 
 
@@ -574,6 +584,8 @@ def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
         return 3 * one_pass
     if mode in DATA_PARALLEL_MODES:
         return 2 * one_pass
+    if mode in ("pp-zb-v", "pp-dualpipev"):  # on the V each rank sends one activation and one gradient
+        return 2 * sizes.global_batch * sizes.seq * sizes.hidden * 4
     if mode.startswith("pp"):
         chunks = sizes.layers // 2 if mode == "pp-interleaved" else 1
         return (2 * chunks - 1) * sizes.global_batch * sizes.seq * sizes.hidden * 4

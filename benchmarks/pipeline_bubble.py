@@ -1,6 +1,8 @@
-"""Pipeline bubble: the measured idle fraction of each rank under 1F1B, interleaved 1F1B and ZB-H1, against the
-theory: ``(p - 1) / (v * m + p - 1)``, and for ZB-H1 ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` from the
-measured step times (``zero_bubble.zb_h1_bubble``).
+"""Pipeline bubble: the measured idle fraction of each rank under 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV,
+against the theory: ``(p - 1) / (v * m + p - 1)``; for ZB-H1 ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` from the
+measured step times (``zero_bubble.zb_h1_bubble``); for ZB-V ``v_schedules.zb_v_bubble`` from the measured step
+times of a chunk; for DualPipeV, which has no closed form without its overlap, the event simulator's bubble of
+its order with the measured step times (``trace.simulate``).
 
     python benchmarks/pipeline_bubble.py                          # sleep stages, p in {2, 4}, v in {1, 2}
     python benchmarks/pipeline_bubble.py --work gpt --pp 2        # real GPT chunks (one core per rank)
@@ -45,7 +47,15 @@ from megatron_like.config import ParallelConfig, parse_config  # noqa: E402
 from megatron_like.model import chunk_layers  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func  # noqa: E402
-from megatron_like.pipeline_parallel.trace import TraceEvent, chrome_trace, idle_fractions, theoretical_bubble  # noqa: E402
+from megatron_like.pipeline_parallel.placement import ChunkPlacement  # noqa: E402
+from megatron_like.pipeline_parallel.trace import (  # noqa: E402
+    TraceEvent,
+    chrome_trace,
+    idle_fractions,
+    simulate,
+    theoretical_bubble,
+)
+from megatron_like.pipeline_parallel.v_schedules import dualpipev_steps, zb_v_bubble  # noqa: E402
 from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble  # noqa: E402
 from megatron_like.tensor_parallel import weight_grad  # noqa: E402
 
@@ -104,7 +114,10 @@ def sleep_forward_step(data_iterator, chunk: SleepChunk):
     return output, lambda out: (out.mean(), {"loss": out.mean().detach()})
 
 
-def build_sleep_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
+V_SCHEDULES = ("zb-v", "dualpipev")
+
+
+def build_sleep_chunks(ps: ParallelState, vp: int, args: argparse.Namespace, v_shape: bool = False):
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     forward_s = args.forward_ms / 1000 / vp
     # A backward of twice the forward, half of it the weight gradients (W = B = F, the paper's setting).
@@ -112,7 +125,7 @@ def build_sleep_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
         sleep_forward_step, itertools.repeat(None)
 
 
-def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
+def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace, v_shape: bool = False):
     import pretrain_gpt
     from megatron_like.data.mock_dataset import MockGPTDataset
 
@@ -121,10 +134,12 @@ def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
         "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size), "--mock-data",
         "--vocab-size", "1024", "--hidden-dropout", "0", "--attention-dropout", "0",
     ])
+    placement = ChunkPlacement(ps.pp_size, vp, v_shape)
     chunks = [
-        pretrain_gpt.model_provider(config, ps, layers=chunk_layers(args.gpt_layers, ps.pp_size, ps.pp_rank, vp, c),
-                                    pre_process=ps.is_first_stage and c == 0,
-                                    post_process=ps.is_last_stage and c == vp - 1, padded_vocab_size=1024)
+        pretrain_gpt.model_provider(config, ps, layers=chunk_layers(args.gpt_layers, ps.pp_size, ps.pp_rank, vp, c,
+                                                                    v_shape),
+                                    pre_process=placement.is_first(ps.pp_rank, c),
+                                    post_process=placement.is_last(ps.pp_rank, c), padded_vocab_size=1024)
         for c in range(vp)
     ]
     dataset = MockGPTDataset(10**6, args.seq_length, 1024, seed=1)
@@ -132,6 +147,19 @@ def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace):
     batches = ({"text": torch.stack([torch.from_numpy(dataset[i * b + j]["text"]) for j in range(b)])}
                for i in itertools.count())
     return chunks, pretrain_gpt.forward_step, batches
+
+
+def schedule_bubble(name: str, p: int, v: int, m: int, times: dict[str, float]) -> float:
+    """The schedule's theoretical idle fraction with these measured step times (a chunk's, on the V)."""
+    if name == "zb-h1":
+        return zb_h1_bubble(p, m, times["F"], times["B"], times["W"])
+    if name == "zb-v":
+        return zb_v_bubble(p, m, times["F"], times["B"], times["W"])
+    if name == "dualpipev":
+        events = simulate([dualpipev_steps(p, r, m) for r in range(p)], 2, times["F"], times["B"],
+                          weight_time=times["W"], v_shape=True)
+        return max(idle_fractions(events))
+    return theoretical_bubble(p, v, m)
 
 
 def free_port() -> int:
@@ -147,7 +175,7 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
     ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
     build = build_sleep_chunks if args.work == "sleep" else build_gpt_chunks
     for name, vp, m in layouts:
-        chunks, forward_step_func, data = build(ps, vp, args)
+        chunks, forward_step_func, data = build(ps, vp, args, name in V_SCHEDULES)
         schedule = get_forward_backward_func(ps.pp_size, vp, name)
         measured, events = [], []  # (idle fraction per rank, window, comm per step, step times) per timed iteration
         for iteration in range(args.warmup + args.iterations):
@@ -181,8 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", choices=("sleep", "gpt"), default="sleep")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes p")
     parser.add_argument("--vp", type=int, nargs="+", default=[1, 2], help="virtual stages per rank v")
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1"],
-                        help="--pipeline-schedule values (interleaved runs each v > 1, the others v = 1)")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"],
+                        help="--pipeline-schedule values (interleaved runs each v > 1, zb-v and dualpipev v = 2, "
+                        "the others v = 1)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="micro batches m")
     parser.add_argument("--forward-ms", type=float, default=100.0, help="sleep work: forward time of a stage")
     parser.add_argument("--gpt-layers", type=int, default=8)
@@ -199,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     for p in args.pp:
         layouts = [(name, v, m) for name in args.schedules for v in args.vp for m in args.microbatches
                    if (v > 1) == (name == "interleaved") and (v == 1 or m % p == 0) and args.gpt_layers % (p * v) == 0]
+        layouts += [(name, 2, m) for name in args.schedules if name in V_SCHEDULES for m in args.microbatches
+                    if args.gpt_layers % (2 * p) == 0]
+        layouts = [layout for layout in layouts if not (layout[0] in V_SCHEDULES and layout[1] == 1)]
         results = ctx.Queue()
         mp.start_processes(worker, args=(p, free_port(), layouts, args, results), nprocs=p,
                            start_method="spawn")
@@ -212,8 +244,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'excess ms/step':>14}")
     for name, p, v, m, idle, window, comm, times, steps in rows:
         # ZB-H1's bubble depends on the F, B and W times (measured here); 1F1B's and interleaved's do not.
-        theory = zb_h1_bubble(p, m, times["F"], times["B"], times["W"]) if name == "zb-h1" else \
-            theoretical_bubble(p, v, m)
+        theory = schedule_bubble(name, p, v, m, times)
         mean = statistics.mean(idle)
         # The window the measured busy time would need with exactly the theoretical bubble; the rest is
         # overhead (communication, Python between steps, other processes), spread over a rank's steps.

@@ -89,7 +89,11 @@ class ParallelState:
     model_parallel_group: dist.ProcessGroup | None = None
     """tp x pp ranks that hold one full model replica (for the global grad norm)."""
     embedding_group: dist.ProcessGroup | None = None
-    """First and last pipeline stage of one (dp, tp) position: they share the word embedding."""
+    """First and last pipeline stage of one (dp, tp) position: they share the word embedding (None when one
+    rank holds both, as in the V placement)."""
+    pp_v_shape: bool = False
+    """Model chunks placed in a V (--pipeline-schedule zb-v or dualpipev): the first and the last virtual stage
+    are both on pipeline rank 0 (pipeline_parallel/placement.py)."""
     ep_size: int = 1
     """Expert-parallel size (``etp * ep`` divides ``tp * dp``)."""
     etp_size: int | None = None
@@ -198,6 +202,12 @@ class ParallelState:
         return self.pp_rank == self.pp_size - 1
 
     @property
+    def reporting_rank(self) -> int:
+        """The global rank that prints the log: the last of the ranks that compute the loss (the last pipeline
+        stage's, which is stage 0 in the V placement)."""
+        return (self.world_size // self.pp_size if self.pp_v_shape else self.world_size) - 1
+
+    @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
@@ -265,7 +275,7 @@ class ParallelState:
             raise ConfigError(f"--expert-tensor-parallel-size {etp} * --expert-model-parallel-size {ep} does not "
                               f"divide tp {tp} * cp {cp} * dp {dp} (the ranks of one pipeline stage)")
         state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, cp_comm_type=parallel.cp_comm_type,
-                    ep_size=ep, etp_size=etp, rank=dist.get_rank())
+                    ep_size=ep, etp_size=etp, rank=dist.get_rank(), pp_v_shape=parallel.v_shape)
         state.device, state.backend = device, backend
         state._build_groups()
         if cp > 1 and parallel.cp_comm_type == "a2a+p2p":
@@ -317,9 +327,9 @@ class ParallelState:
                     group = make(ranks)
                     if me in ranks:
                         self.pp_group, self.pp_global_ranks = group, ranks
-                    embedding_ranks = sorted({ranks[0], ranks[-1]})
+                    embedding_ranks = [ranks[0]] if self.pp_v_shape else sorted({ranks[0], ranks[-1]})
                     group = make(embedding_ranks)
-                    if me in embedding_ranks and pp > 1:
+                    if me in embedding_ranks and len(embedding_ranks) > 1:
                         self.embedding_group = group
         for d in range(dp):
             for c in range(cp):

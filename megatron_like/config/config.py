@@ -60,8 +60,10 @@ class Config:
 
     @property
     def virtual_pipeline_size(self) -> int:
-        """Model chunks per pipeline rank (1 without the interleaved schedule)."""
+        """Model chunks per pipeline rank (1 without the interleaved schedule; 2 under zb-v and dualpipev)."""
         p = self.parallel
+        if p.v_shape:
+            return 2
         if p.num_layers_per_virtual_pipeline_stage is None:
             return 1
         return self.model.num_layers // (p.pipeline_model_parallel_size * p.num_layers_per_virtual_pipeline_stage)
@@ -141,6 +143,9 @@ class Config:
                 f"{m.num_layers // pp} layers of each pipeline stage (--num-layers {m.num_layers} / "
                 f"--pipeline-model-parallel-size {pp})",
             )
+        _require(not p.v_shape or m.num_layers % (2 * pp) == 0,
+                 f"--pipeline-schedule {p.pipeline_schedule} needs --num-layers {m.num_layers} divisible by 2 * "
+                 f"--pipeline-model-parallel-size {pp} (two equal chunks per rank)")
         p.validate_pipeline_schedule(self.virtual_pipeline_size)
         dp = self.data_parallel_size
         self.validate_moe_layout()
@@ -150,7 +155,7 @@ class Config:
                 f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
                 f"{t.micro_batch_size} * data-parallel size {dp}",
             )
-        if self.virtual_pipeline_size > 1:
+        if self.virtual_pipeline_size > 1 and not p.v_shape:
             _require(
                 self.num_microbatches % pp == 0,
                 f"the interleaved schedule needs the number of micro batches ({self.num_microbatches} = "

@@ -9,6 +9,11 @@ from typing import Annotated, Literal
 from megatron_like.config.errors import _require
 from megatron_like.config.fields import POSITIVE, Range, Requires
 
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+"""The values of --pipeline-schedule."""
+V_SCHEDULES = ("zb-v", "dualpipev")
+"""The schedules that place two model chunks per rank in a V (pipeline_parallel/placement.py)."""
+
 
 @dataclass
 class ParallelConfig:
@@ -20,10 +25,12 @@ class ParallelConfig:
     """Pipeline stages that split the layers."""
     num_layers_per_virtual_pipeline_stage: Annotated[int | None, POSITIVE] = None
     """Layers per model chunk for the interleaved 1F1B schedule (several chunks per pipeline rank)."""
-    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1"] | None = None
+    pipeline_schedule: Literal["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"] | None = None
     """The pipeline schedule (docs/pipeline.md). Default: interleaved with --num-layers-per-virtual-pipeline-stage,
     else 1f1b. zb-h1: 1F1B whose backwards are split into input gradients (B) and weight gradients (W), the W
-    steps filling the pipeline bubble (Qi et al., ICLR 2024), at 1F1B's first-stage activation memory."""
+    steps filling the pipeline bubble (Qi et al., ICLR 2024), at 1F1B's first-stage activation memory. zb-v and
+    dualpipev: two model chunks per rank placed in a V (rank r holds blocks r and 2p-1-r, the loss on rank 0),
+    ordered as ZB-V (Qi et al.) or DeepSeek's DualPipeV."""
     context_parallel_size: Annotated[int, POSITIVE] = 1
     """Processes that split each sequence (context parallelism): each holds 2 of the 2 x cp load-balanced chunks
     and attention exchanges keys and values (--cp-comm-type); docs/context_parallel.md."""
@@ -58,9 +65,17 @@ class ParallelConfig:
     distributed_timeout_minutes: Annotated[float, POSITIVE] = 10.0
     """A collective that waits longer than this fails, so a dead rank stops the job instead of hanging it."""
 
+    @property
+    def v_shape(self) -> bool:
+        """The schedule places two chunks per rank in a V (zb-v, dualpipev)."""
+        return self.pipeline_schedule in V_SCHEDULES
+
     def validate(self) -> None:
         """The rules between fields (each field's range is declared on it: fields.py)."""
         self.validate_context_parallel()
+        _require(not self.v_shape or self.num_layers_per_virtual_pipeline_stage is None,
+                 f"--pipeline-schedule {self.pipeline_schedule} places two model chunks per rank in a V, which fixes "
+                 "the layers of each chunk: drop --num-layers-per-virtual-pipeline-stage")
         if self.use_distributed_optimizer and self.zero_stage == 0:
             self.zero_stage = 1  # Megatron's name for ZeRO-1
         _require(not self.overlap_param_gather or self.zero_stage >= 1,
@@ -87,16 +102,18 @@ class ParallelConfig:
 
 def check_pipeline_schedule_name(pp_size: int, vp_size: int, schedule: str | None) -> None:
     """Raise ConfigError (one line) when ``--pipeline-schedule`` does not fit the layout (None: the default)."""
-    _require(vp_size == 1 or pp_size > 1,
+    _require(vp_size == 1 or pp_size > 1 or schedule in V_SCHEDULES,
              "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if schedule is None:
         return
-    _require(schedule in ("1f1b", "interleaved", "zb-h1"),
-             f"--pipeline-schedule {schedule}: expected one of 1f1b, interleaved, zb-h1")
+    _require(schedule in SCHEDULES, f"--pipeline-schedule {schedule}: expected one of {', '.join(SCHEDULES)}")
     _require(pp_size > 1, f"--pipeline-schedule {schedule} needs --pipeline-model-parallel-size > 1")
     _require(schedule != "interleaved" or vp_size > 1,
              "--pipeline-schedule interleaved needs --num-layers-per-virtual-pipeline-stage (more than one chunk "
              "per rank)")
+    if schedule in V_SCHEDULES:
+        _require(vp_size == 2, f"--pipeline-schedule {schedule} runs two model chunks per rank, not {vp_size}")
+        return
     _require(schedule == "interleaved" or vp_size == 1,
              f"--pipeline-schedule {schedule} runs one model chunk per rank: drop "
              "--num-layers-per-virtual-pipeline-stage")

@@ -150,11 +150,12 @@ class DataParallel:
                 flat = torch.cat(slices)
                 comm.all_reduce(flat, ps.tp_group)
                 torch._foreach_copy_(slices, list(flat.split([s.numel() for s in slices])))
-        if ps.embedding_group is not None:
-            for buffer in self.buffers:
-                grad = buffer.shared_embedding_grad()
-                if grad is not None:
-                    comm.all_reduce(grad, ps.embedding_group)
+        tied = [grad for grad in (buffer.shared_embedding_grad() for buffer in self.buffers) if grad is not None]
+        if len(tied) > 1:  # the V placement: this rank's first and last chunk each hold a copy
+            torch.add(tied[0], tied[1], out=tied[0])
+            tied[1].copy_(tied[0])
+        elif tied and ps.embedding_group is not None:
+            comm.all_reduce(tied[0], ps.embedding_group)
 
     def gather_updated_params(self) -> None:
         """After the optimizer wrote this rank's shards: make every rank's full params current (stage 1/2;

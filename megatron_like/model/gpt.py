@@ -20,6 +20,7 @@ from megatron_like.model.transformer import (
     forward_layers,
 )
 from megatron_like.parallel_state import ParallelState
+from megatron_like.pipeline_parallel.placement import virtual_stage
 from megatron_like.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -36,14 +37,17 @@ from megatron_like.tensor_parallel.initialization import draw_slice
 WORD_EMBEDDINGS = "embedding.word_embeddings"
 
 
-def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1, vp_rank: int = 0) -> range:
+def chunk_layers(num_layers: int, pp_size: int, pp_rank: int, vp_size: int = 1, vp_rank: int = 0,
+                 v_shape: bool = False) -> range:
     """Global layer indices of model chunk ``vp_rank`` on pipeline stage ``pp_rank``.
 
     Interleaved assignment (Megatron): chunk v of stage p holds block ``v * pp_size + p`` of
-    ``pp_size * vp_size`` equal blocks. Without virtual stages that is block p.
+    ``pp_size * vp_size`` equal blocks. Without virtual stages that is block p. With ``v_shape`` (zb-v,
+    dualpipev: two chunks) chunk 0 holds block p and chunk 1 block ``2 * pp_size - 1 - p``
+    (``pipeline_parallel/placement.py``).
     """
     per_chunk = num_layers // (pp_size * vp_size)
-    start = (vp_rank * pp_size + pp_rank) * per_chunk
+    start = virtual_stage(pp_size, pp_rank, vp_size, vp_rank, v_shape) * per_chunk
     return range(start, start + per_chunk)
 
 

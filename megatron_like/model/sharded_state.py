@@ -226,7 +226,8 @@ def model_buffers(model: list[nn.Module], prefix: str = "model.") -> dict[str, t
 def model_load_pieces(model: list[nn.Module], ps: ParallelState, prefix: str = "model.") -> dict[str, GlobalPieces]:
     """Every local parameter whole, as a piece of its global tensor (load into full parameters: at ZeRO-3
     inside ``gathered_parameters(model, write_back=True)``). The last stage's tied copy reads the word
-    embedding (it lives on another pp rank than the original, so one rank never asks for a piece twice)."""
+    embedding (on the V placement it lives on the same rank as the original: the reader then fills it from the
+    original's piece, ``dist_checkpointing._set_twins_apart``)."""
     out: dict[str, GlobalPieces] = {}
     for chunk in model:
         for param, placement in placements(chunk, ps).items():

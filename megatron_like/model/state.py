@@ -309,7 +309,7 @@ def load_full_state(root: str, iteration: int | None = None,
             shards.append([merge_ep([chunks[v] for chunks in ep_chunks]) for v in range(vp)])
         for v in range(vp):
             # The last stage's embedding copy for MTP (untied) is the first stage's word embedding: not merged.
-            layers_here = chunk_layers(m.num_layers, pp, pp_rank, vp, v)
+            layers_here = chunk_layers(m.num_layers, pp, pp_rank, vp, v, p.v_shape)
             named = [{k: t for k, t in to_global_names(chunks[v], layers_here).items() if k != MTP_EMBEDDING_COPY}
                      for chunks in shards]
             if layers is not None:

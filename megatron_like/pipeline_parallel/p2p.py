@@ -8,17 +8,17 @@ ever exchanged (Megatron's fixed-sequence-length path)::
 Each tensor-parallel rank talks to the rank with the same (tp, dp) coordinates on the neighbouring
 stage. Stages form a ring: with virtual stages the last stage feeds chunk ``c + 1`` of the first stage.
 
-Two message streams, told apart by their tag, flow between neighbours:
-
-* ``FORWARD_TAG``: activations to the next stage (``pp_neighbor(+1)``),
-* ``BACKWARD_TAG``: activation gradients to the previous stage (``pp_neighbor(-1)``).
+Two message streams, told apart by their tag, flow between neighbours: ``ACTIVATION_TAG`` (a forward's
+output for the next stage) and ``GRADIENT_TAG`` (a backward's input gradient for the previous stage). Which
+rank holds the next stage is the chunk placement's (``placement.py``): ``pp_neighbor(+1)`` for activations
+on the ring; on the V, chunk 1's activations go to ``pp_neighbor(-1)``.
 
 Each stream is FIFO, and every schedule here produces and consumes a stream in the same micro-batch
 order, so a message needs no header.
 
-Sends and receives are asynchronous. :meth:`PipelineP2P.post` issues one ``batch_isend_irecv`` of up
-to four operations (send forward, send backward, receive from the previous stage, receive from the next)
-and returns a :class:`Received` per receive, to wait on when the step that needs it starts. Which
+Sends and receives are asynchronous. :meth:`PipelineP2P.post` issues one ``batch_isend_irecv`` of the
+sends and receives of one slot of the schedule and returns a :class:`Received` per receive, to wait on
+when the step that needs it starts. Which
 operations go into one batch, and when, is the schedule's communication plan (``schedules.py``): NCCL
 runs the batches of a rank one after the other on one stream, and a batch finishes only when its peers
 have posted the matching operations, so the grouping decides whether a pipeline can deadlock.
@@ -26,14 +26,16 @@ have posted the matching operations, so the grouping decides whether a pipeline 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from megatron_like import collectives as comm
 from megatron_like.parallel_state import ParallelState
+from megatron_like.pipeline_parallel.placement import ACTIVATION_TAG, GRADIENT_TAG
 
-FORWARD_TAG = 0
-BACKWARD_TAG = 1
+__all__ = ["ACTIVATION_TAG", "GRADIENT_TAG", "PipelineP2P", "Received", "pipeline_tensor_shape"]
 
 
 def pipeline_tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int = 1,
@@ -74,50 +76,37 @@ class PipelineP2P:
         self._pending_sends: list[tuple[list[dist.Work], list[torch.Tensor]]] = []
         """Works of posted sends with the tensors they read (kept alive until the sends complete)."""
 
-    def post(
-        self,
-        send_next: torch.Tensor | None = None,
-        send_prev: torch.Tensor | None = None,
-        recv_prev: bool = False,
-        recv_next: bool = False,
-    ) -> tuple[Received | None, Received | None]:
-        """Start sending activations forward / gradients backward and start receiving, as one batch.
+    def post(self, sends: Sequence[tuple[torch.Tensor, int, int]] = (),
+             receives: Sequence[tuple[int, int]] = ()) -> list[Received]:
+        """Start sending and receiving, as one batch.
 
         Args:
-            send_next: hidden states ``[s, b, h]`` for the next stage, or None.
-            send_prev: the gradient ``[s, b, h]`` of this stage's input for the previous stage, or None.
-            recv_prev: receive hidden states ``[s, b, h]`` from the previous stage.
-            recv_next: receive the gradient ``[s, b, h]`` of this stage's output from the next stage.
+            sends: ``(tensor, peer, tag)``: hidden states or their gradient ``[s, b, h]`` for the rank
+                ``peer`` (+1 the next pipeline rank, -1 the previous) on stream ``tag`` (ACTIVATION_TAG or
+                GRADIENT_TAG).
+            receives: ``(peer, tag)``: a ``[s, b, h]`` tensor to receive from that rank on that stream.
         Returns:
-            ``(from_prev, from_next)``, the posted receives (None where not asked for). A backend that
-            returns one work per operation (gloo) lets each receive be waited for alone; a coalescing one
-            (NCCL) returns one work for the batch, which every receive of the batch then waits for.
+            One posted :class:`Received` per entry of ``receives``, in order. A backend that returns one
+            work per operation (gloo) lets each receive be waited for alone; a coalescing one (NCCL) returns
+            one work for the batch, which every receive of the batch then waits for.
         """
-        sends = [
-            (self._checked(tensor.detach()), peer, tag)
-            for tensor, peer, tag in ((send_next, self.next_rank, FORWARD_TAG),
-                                      (send_prev, self.prev_rank, BACKWARD_TAG))
-            if tensor is not None
-        ]
-        from_prev = self._empty() if recv_prev else None
-        from_next = self._empty() if recv_next else None
-        recvs = [
-            (buffer, peer, tag)
-            for buffer, peer, tag in ((from_prev, self.prev_rank, FORWARD_TAG),
-                                      (from_next, self.next_rank, BACKWARD_TAG))
-            if buffer is not None
-        ]
-        if not sends and not recvs:
-            return None, None
-        works = comm.post_p2p(sends, recvs)
-        per_operation = len(works) == len(sends) + len(recvs)
-        send_works, recv_works = (works[:len(sends)], works[len(sends):]) if per_operation else (works, works)
-        if sends:
+        outgoing = [(self._checked(tensor.detach()), self._peer_rank(peer), tag) for tensor, peer, tag in sends]
+        incoming = [(self._empty(), self._peer_rank(peer), tag) for peer, tag in receives]
+        if not outgoing and not incoming:
+            return []
+        works = comm.post_p2p(outgoing, incoming)
+        per_operation = len(works) == len(outgoing) + len(incoming)
+        send_works, recv_works = (works[:len(outgoing)], works[len(outgoing):]) if per_operation else (works, works)
+        if outgoing:
             self._pending_sends = [(w, t) for w, t in self._pending_sends if not all(x.is_completed() for x in w)]
-            self._pending_sends.append((send_works, [tensor for tensor, _, _ in sends]))
-        handles = [Received(buffer, [recv_works[n]] if per_operation else recv_works)
-                   for n, (buffer, _, _) in enumerate(recvs)]
-        return (handles.pop(0) if recv_prev else None), (handles.pop(0) if recv_next else None)
+            self._pending_sends.append((send_works, [tensor for tensor, _, _ in outgoing]))
+        return [Received(buffer, [recv_works[n]] if per_operation else recv_works)
+                for n, (buffer, _, _) in enumerate(incoming)]
+
+    def _peer_rank(self, peer: int) -> int:
+        if peer not in (1, -1):
+            raise ValueError(f"a pipeline message goes to the next (+1) or previous (-1) rank, not {peer}")
+        return self.next_rank if peer == 1 else self.prev_rank
 
     def wait_for_sends(self) -> None:
         """Block until every send posted so far has completed (call at the end of a schedule)."""

@@ -25,13 +25,17 @@ The schedules:
 * :func:`forward_backward_pipelining_zero_bubble`: ZB-H1 (``--pipeline-schedule zb-h1``): 1F1B with each
   backward split into B (input gradient) and W (weight gradients), the W steps filling the bubble
   (``zero_bubble.py``).
+* :func:`forward_backward_pipelining_zb_v` and :func:`forward_backward_pipelining_dualpipev` (``zb-v``,
+  ``dualpipev``): two chunks per rank placed in a V (``placement.py``), the loss on rank 0
+  (``v_schedules.py``).
 
 The pipelined schedules are a list of :class:`Step` per rank (:func:`one_f_one_b_steps`,
-:func:`interleaved_steps`, :func:`zero_bubble.zb_h1_steps`) run by one executor, :func:`run_pipeline_steps`:
-a step waits for its input (activations from the previous stage for a forward, the output gradient from the
-next stage for a backward), computes, and hands its result on. When results are sent and inputs received is
-the :func:`communication_plan`, Megatron's batching of p2p operations, which cannot deadlock even where
-every batch of a rank runs in order on one stream and waits for its peers (NCCL).
+:func:`interleaved_steps`, :func:`zero_bubble.zb_h1_steps`, ``v_schedules.py``'s) run by one executor,
+:func:`run_pipeline_steps`: a step waits for its input (activations from the previous stage for a forward,
+the output gradient from the next stage for a backward), computes, and hands its result on. When results
+are sent and inputs received is the :func:`communication_plan`, Megatron's batching of p2p operations,
+which cannot deadlock even where every batch of a rank runs in order on one stream and waits for its
+peers (NCCL).
 
 Every micro-batch loss is divided by ``num_microbatches``: the accumulated gradient is that of the mean
 loss over the global batch, and gradients accumulate over micro batches in the same order as without
@@ -41,18 +45,22 @@ pipelining.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from megatron_like.config import ConfigError
 from megatron_like.config.parallel import check_pipeline_schedule_name
+from megatron_like.pipeline_parallel.comm_plan import Post, communication_plan, in_order_plans, interleaved_warmup
 from megatron_like.pipeline_parallel.p2p import PipelineP2P, Received, pipeline_tensor_shape
+from megatron_like.pipeline_parallel.placement import ChunkPlacement
 from megatron_like.pipeline_parallel.trace import ScheduleTrace, Step, StepTiming, active_trace
+from megatron_like.pipeline_parallel.v_schedules import dualpipev_steps, zb_v_steps
 from megatron_like.pipeline_parallel.zero_bubble import check_weight_steps, zb_h1_steps
 from megatron_like.tensor_parallel import weight_grad
 
@@ -164,68 +172,6 @@ def interleaved_steps(pp_size: int, pp_rank: int, num_microbatches: int, vp_size
     return steps
 
 
-class Post(NamedTuple):
-    """One batch of p2p operations, issued right after step ``after`` of a rank's order (-1: before the
-    first step). ``sends`` and ``receives`` are indices of steps in that order: the steps whose result
-    (a forward's output, a backward's input gradient) is sent, and the steps whose input is received."""
-
-    after: int
-    sends: tuple[int, ...]
-    receives: tuple[int, ...]
-
-
-def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_size: int = 1) -> list[Post]:
-    """When each step of ``steps`` (the order of rank ``pp_rank``) sends its result and receives its input.
-
-    A forward receives its input unless it runs the first chunk (chunk 0 of rank 0) and sends its output
-    unless it runs the last chunk (which computes the loss); a backward receives its output gradient
-    unless it runs the last chunk and sends its input gradient unless it runs the first. A W step
-    (zero-bubble schedules) neither receives nor sends.
-
-    The steps are cut into slots: one step each, except that with interleaving a forward and the
-    backward right after it in the steady phase (after the warmup forwards) share a slot. After each
-    slot one batch sends the slot's results and posts the receives of the next slot, so a receive is
-    posted while the neighbour still computes the data. This is Megatron's batching
-    (``send_forward_recv_backward`` for 1F1B, ``send_forward_backward_recv_forward_backward``
-    interleaved), and it matters on NCCL, which runs a rank's batches in order on one stream: a batch
-    posted early that waits for its peer blocks every later one. The tests prove this plan free of
-    deadlocks under that rule for every layout (sending every result at once and receiving a step
-    ahead is not) and show that it keeps the theoretical bubble.
-    """
-
-    def is_first_chunk(step: Step) -> bool:
-        return pp_rank == 0 and step.chunk == 0
-
-    def is_last_chunk(step: Step) -> bool:
-        return pp_rank == pp_size - 1 and step.chunk == vp_size - 1
-
-    def receives_input(step: Step) -> bool:
-        return step.kind != "W" and not (is_first_chunk(step) if step.kind == "F" else is_last_chunk(step))
-
-    def sends_result(step: Step) -> bool:
-        return step.kind != "W" and not (is_last_chunk(step) if step.kind == "F" else is_first_chunk(step))
-
-    slots = [[i] for i in range(len(steps))]
-    forwards = sum(step.kind == "F" for step in steps)
-    interleaved = vp_size > 1 and not any(step.kind == "W" for step in steps)
-    if interleaved and forwards < len(steps):  # interleaved training: pair the steady phase
-        warmup = interleaved_warmup(pp_size, pp_rank, forwards // vp_size, vp_size)
-        cooldown = warmup + 2 * (forwards - warmup)
-        slots = slots[:warmup] + [[i, i + 1] for i in range(warmup, cooldown, 2)] + slots[cooldown:]
-    posts = []
-    for k in range(-1, len(slots)):
-        sends = tuple(i for i in slots[k] if sends_result(steps[i])) if k >= 0 else ()
-        receives = tuple(i for i in slots[k + 1] if receives_input(steps[i])) if k + 1 < len(slots) else ()
-        if sends or receives:
-            posts.append(Post(slots[k][-1] if k >= 0 else -1, sends, receives))
-    return posts
-
-
-def interleaved_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int) -> int:
-    """Forwards rank ``pp_rank`` runs before its first backward under interleaved 1F1B (Megatron's count)."""
-    return min(num_microbatches * vp_size, 2 * (pp_size - pp_rank - 1) + (vp_size - 1) * pp_size)
-
-
 def check_pipeline_schedule(pp_size: int, vp_size: int, num_microbatches: int) -> None:
     """Raise ConfigError (one line) when no schedule can run this layout."""
     if num_microbatches < 1:
@@ -250,9 +196,12 @@ def run_pipeline_steps(
     p2p: PipelineP2P,
     forward_only: bool = False,
     trace: ScheduleTrace | None = None,
+    v_shape: bool = False,
+    posts: Sequence[Post] | None = None,
 ) -> list[LossStats]:
     """Run this rank's ``steps`` in order, exchanging activations and gradients with its neighbours as
-    :func:`communication_plan` says.
+    ``posts`` says (by default :func:`communication_plan`'s; chunks placed on the ring, or on the V with
+    ``v_shape``).
 
     Inputs and outputs of a (chunk, micro batch) are kept from its forward to its backward and
     dropped right after, so the memory held is that of the micro batches in flight. Where the order has
@@ -263,30 +212,35 @@ def run_pipeline_steps(
     trace's gaps are the time a rank waited for a neighbour.
     """
     ps, vp = model[0].ps, len(model)
+    placement = ChunkPlacement(ps.pp_size, vp, v_shape)
     run = trace.begin_run() if trace is not None else 0
-
-    def is_last_chunk(step: Step) -> bool:
-        return ps.is_last_stage and step.chunk == vp - 1
-
     split = any(step.kind == "W" for step in steps)
     if split:
         check_weight_steps(steps)
     params = [[p for p in chunk.parameters() if p.requires_grad] for chunk in model] if split else []
     awaiting_w: dict[tuple[int, int], weight_grad.WeightGradWork] = {}  # (chunk, micro batch) -> its W work
-    plan = {post.after: post for post in communication_plan(steps, ps.pp_size, ps.pp_rank, vp)}
+    if posts is None:
+        posts = communication_plan(steps, ps.pp_size, ps.pp_rank, vp, v_shape)
+    plan = {post.after: post for post in posts}
     sent = {i for post in plan.values() for i in post.sends}
     results: dict[int, torch.Tensor] = {}  # step index -> its result, until the batch that sends it
     receiving: dict[int, Received] = {}  # step index -> its posted input
+    handed: dict[Step, torch.Tensor] = {}  # the V's tip: a step -> its input from this rank's other chunk
 
     def issue(post: Post) -> None:
-        """Send the results of ``post.sends`` (a forward's output goes to the next stage, a backward's
-        input gradient to the previous one) and post the receives of ``post.receives``, as one batch."""
-        outgoing = {steps[i].kind: results.pop(i) for i in post.sends}
-        wanted = {steps[i].kind: i for i in post.receives}
-        from_prev, from_next = p2p.post(outgoing.get("F"), outgoing.get("B"), "F" in wanted, "B" in wanted)
-        for kind, received in (("F", from_prev), ("B", from_next)):
-            if kind in wanted:
-                receiving[wanted[kind]] = received
+        """Send the results of ``post.sends`` and post the receives of ``post.receives``, as one batch."""
+        sends = []
+        for i in post.sends:
+            link = placement.result_link(ps.pp_rank, steps[i].kind, steps[i].chunk)
+            sends.append((results.pop(i), link.peer, link.tag))
+        receives = [placement.input_link(ps.pp_rank, steps[i].kind, steps[i].chunk)[:2] for i in post.receives]
+        receiving.update(zip(post.receives, p2p.post(sends, receives)))
+
+    def hand_over(step: Step, result: torch.Tensor) -> None:
+        """Keep ``result`` for this rank's other chunk if the next (previous) stage is there."""
+        link = placement.result_link(ps.pp_rank, step.kind, step.chunk)
+        if link is not None and link.peer == 0 and not (forward_only and step.kind != "F"):
+            handed[Step(step.kind, link.chunk, step.microbatch)] = result.detach() if step.kind == "F" else result
 
     inputs: dict[tuple[int, int], torch.Tensor | None] = {}
     outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -295,7 +249,7 @@ def run_pipeline_steps(
         issue(plan[-1])
     with weight_grad.split_backward() if split else contextlib.nullcontext():
         for i, step in enumerate(steps):
-            received = receiving.pop(i).wait() if i in receiving else None
+            received = receiving.pop(i).wait() if i in receiving else handed.pop(step, None)
             key = (step.chunk, step.microbatch)
             with _span(trace, ps.pp_rank, run, step) as timing:
                 result = None
@@ -303,7 +257,8 @@ def run_pipeline_steps(
                     if received is not None and not forward_only:
                         received.requires_grad_()
                     output = forward_step(forward_step_func, data_iterators[step.chunk], model[step.chunk],
-                                          received, num_microbatches, is_last_chunk(step), stats)
+                                          received, num_microbatches, placement.is_last(ps.pp_rank, step.chunk),
+                                          stats)
                     if not forward_only:
                         inputs[key], outputs[key] = received, output
                     result = output
@@ -315,6 +270,8 @@ def run_pipeline_steps(
                     result = backward_step(inputs.pop(key), outputs.pop(key), received)
                 else:
                     awaiting_w.pop(key).run()
+                if result is not None:
+                    hand_over(step, result)
                 if i in sent:
                     results[i] = result
                 if i in plan:
@@ -396,6 +353,62 @@ def forward_backward_pipelining_zero_bubble(
                                 forward_only, seq_length, micro_batch_size, trace)
 
 
+def _run_v_order(order: Callable[..., list[Step]], forward_step_func: ForwardStepFunc,
+                 data_iterator: Iterator[Any] | list[Iterator[Any] | None] | None, model: list[nn.Module],
+                 num_microbatches: int, forward_only: bool, seq_length: int | None, micro_batch_size: int | None,
+                 trace: ScheduleTrace | None) -> list[LossStats]:
+    """Run ``order(pp_size, pp_rank, num_microbatches, forward_only)`` on this rank's two chunks placed in a V."""
+    if len(model) != 2:
+        raise ValueError(f"the V schedules run two model chunks per rank, got {len(model)}")
+    ps = model[0].ps
+    check_pipeline_schedule(ps.pp_size, 1, num_microbatches)
+    orders, plans = _v_orders_and_plans(order, ps.pp_size, num_microbatches, forward_only)
+    return run_pipeline_steps(orders[ps.pp_rank], forward_step_func, _chunk_data_iterators(data_iterator, 2), model,
+                              num_microbatches, _pipeline_p2p(model, seq_length, micro_batch_size), forward_only,
+                              trace or active_trace(), v_shape=True, posts=plans[ps.pp_rank])
+
+
+@functools.cache
+def _v_orders_and_plans(order: Callable[..., list[Step]], pp_size: int, num_microbatches: int,
+                        forward_only: bool) -> tuple[list[list[Step]], list[list[Post]]]:
+    """Every rank's order and in-order-safe plan (each rank computes all: its plan depends on its neighbours')."""
+    orders = [order(pp_size, rank, num_microbatches, forward_only) for rank in range(pp_size)]
+    return orders, in_order_plans(orders, pp_size, 2, v_shape=True)
+
+
+def forward_backward_pipelining_zb_v(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | list[Iterator[Any] | None] | None,
+    model: list[nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """ZB-V over two chunks per rank in a V, backwards split into B and W (``v_schedules.py``)."""
+    return _run_v_order(zb_v_steps, forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                        seq_length, micro_batch_size, trace)
+
+
+def forward_backward_pipelining_dualpipev(
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator[Any] | list[Iterator[Any] | None] | None,
+    model: list[nn.Module],
+    num_microbatches: int,
+    forward_only: bool = False,
+    *,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    trace: ScheduleTrace | None = None,
+) -> list[LossStats]:
+    """DualPipeV over two chunks per rank in a V: forwards paired with other micro batches' backwards
+    (``v_schedules.py``)."""
+    return _run_v_order(dualpipev_steps, forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                        seq_length, micro_batch_size, trace)
+
+
 def forward_backward_pipelining_with_interleaving(
     forward_step_func: ForwardStepFunc,
     data_iterator: Iterator[Any] | list[Iterator[Any] | None] | None,
@@ -428,6 +441,10 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1,
         return forward_backward_no_pipelining
     if schedule == "zb-h1":
         return forward_backward_pipelining_zero_bubble
+    if schedule == "zb-v":
+        return forward_backward_pipelining_zb_v
+    if schedule == "dualpipev":
+        return forward_backward_pipelining_dualpipev
     if vp_size > 1:
         return forward_backward_pipelining_with_interleaving
     return forward_backward_pipelining_without_interleaving

@@ -24,6 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
+from megatron_like.pipeline_parallel.placement import ChunkPlacement
+
 
 class Step(NamedTuple):
     """One unit of schedule work on a micro batch and a chunk: ``kind`` 'F' (forward), 'B' (backward; in the
@@ -157,12 +159,12 @@ def idle_fractions(events_per_rank: Sequence[Sequence[TraceEvent]]) -> list[floa
 
 def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: float = 1.0,
              backward_time: float = 2.0, sent_after: Sequence[Sequence[int]] | None = None,
-             weight_time: float = 1.0) -> list[list[TraceEvent]]:
+             weight_time: float = 1.0, v_shape: bool = False) -> list[list[TraceEvent]]:
     """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
 
-    A forward of chunk c on rank r waits for the same forward on rank r - 1 (rank 0 waits for chunk
-    c - 1 on the last rank); a backward runs after its own forward and waits for the backward on rank r + 1
-    (the last rank waits for chunk c + 1 on rank 0); a W step runs after its own B and sends nothing. A
+    A forward waits for the same micro batch's forward on the previous virtual stage, a backward runs after
+    its own forward and waits for the backward on the next stage (stages placed on the ring, or on the V
+    with ``v_shape``: ``placement.py``); a W step runs after its own B and sends nothing. A
     step's result leaves when the step ends, or when
     step ``sent_after[rank][i]`` of its rank ends (a communication plan that batches it with a later
     step's). Raises RuntimeError if the orders deadlock.
@@ -174,15 +176,15 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
     position, clock = [0] * pp, [0.0] * pp
     events: list[list[TraceEvent]] = [[] for _ in range(pp)]
 
+    placement = ChunkPlacement(pp, num_chunks, v_shape)
+
     def dependencies(rank: int, step: Step) -> list[tuple[int, Step]]:
         kind, c, mb = step
-        if kind == "F":
-            if rank > 0:
-                return [(rank - 1, step)]
-            return [(pp - 1, Step("F", c - 1, mb))] if c > 0 else []
-        if rank < pp - 1:
-            return [(rank + 1, step)]
-        return [(0, Step("B", c + 1, mb))] if c < num_chunks - 1 else []
+        stage = placement.stage(rank, c) + (-1 if kind == "F" else 1)
+        if not 0 <= stage < placement.num_stages:
+            return []
+        other_rank, other_chunk = placement.holder(stage)
+        return [(other_rank, Step(kind, other_chunk, mb))]
 
     progressed = True
     while progressed:

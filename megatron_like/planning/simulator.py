@@ -38,7 +38,8 @@ from megatron_like.distributed.buffers import build_units
 from megatron_like.distributed.memory import StateBytes, theoretical_state_bytes
 from megatron_like.model import GPTModel, chunk_layers
 from megatron_like.parallel_state import ParallelState
-from megatron_like.pipeline_parallel.zero_bubble import zb_h1_bubble
+from megatron_like.pipeline_parallel.placement import ChunkPlacement
+from megatron_like.pipeline_parallel.v_schedules import zero_bubble_schedule_bubble
 from megatron_like.planning.activations import ActivationBytes, activation_bytes, full_recompute_fraction
 from megatron_like.planning.context_parallel import context_parallel_bytes
 from megatron_like.training.metrics import flops_per_token
@@ -152,11 +153,13 @@ def stage_params(config: Config, padded_vocab_size: int, pp_rank: int) -> StageP
         ps = ParallelState.initialize(parallel, world)
         ps.device = torch.device("meta")
         total = root_unit = layer_unit = expert = mtp = mtp_expert = 0
+        placement = ChunkPlacement(pp, vp, p.v_shape)
         with torch.device("meta"):
             for v in range(vp):
                 chunk = GPTModel(config.model, ps, vocab_size=padded_vocab_size, seed=0,
-                                 layers=chunk_layers(config.model.num_layers, pp, pp_rank, vp, v),
-                                 pre_process=pp_rank == 0 and v == 0, post_process=pp_rank == pp - 1 and v == vp - 1,
+                                 layers=chunk_layers(config.model.num_layers, pp, pp_rank, vp, v, p.v_shape),
+                                 pre_process=placement.is_first(pp_rank, v),
+                                 post_process=placement.is_last(pp_rank, v),
                                  sequence_parallel=p.sequence_parallel, dtype=torch.float32)
                 total += sum(param.numel() for param in chunk.parameters())
                 expert += sum(param.numel() for param in chunk.parameters() if getattr(param, "expert_parallel", False))
@@ -208,7 +211,7 @@ def stage_moe_layers(config: Config, pp_rank: int) -> int:
     p, m = config.parallel, config.model
     pp, vp = p.pipeline_model_parallel_size, config.virtual_pipeline_size
     return sum(m.is_moe_layer(layer) for v in range(vp)
-               for layer in chunk_layers(m.num_layers, pp, pp_rank, vp, v))
+               for layer in chunk_layers(m.num_layers, pp, pp_rank, vp, v, p.v_shape))
 
 
 def expert_layout(config: Config) -> tuple[int, int, int]:
@@ -316,12 +319,13 @@ def plan_run(config: Config, padded_vocab_size: int, device_tflops: float = 312.
         flops += 4.0 * m.num_layers * m.seq_length * m.seq_length * m.attention_size * config.global_batch_size
     vp, micro = config.virtual_pipeline_size, config.num_microbatches
     bubble = (pp - 1) / (vp * micro + pp - 1)
-    if p.pipeline_schedule == "zb-h1":
+    if p.pipeline_schedule in ("zb-h1", "zb-v", "dualpipev"):
         # Per token: forward F = flops / 3 (one third of 6N plus attention), W = the weight GEMMs' 2N (at most
-        # F), B = the rest of the backward. ZB-H1 idles (p-1)(F+B-W) of m(F+B+W) (pipeline_parallel/zero_bubble.py).
+        # F), B = the rest of the backward. ZB-H1 idles (p-1)(F+B-W) of m(F+B+W) (pipeline_parallel/zero_bubble.py);
+        # the V schedules' step times are a chunk's, half of those (pipeline_parallel/v_schedules.py).
         forward = flops / 3.0
         weight = min(2.0 * active_params * tokens, forward)
-        bubble = zb_h1_bubble(pp, micro, forward, 2.0 * forward - weight, weight)
+        bubble = zero_bubble_schedule_bubble(p.pipeline_schedule, pp, micro, forward, 2.0 * forward - weight, weight)
     compute_seconds = flops / config.world_size / (device_tflops * 1e12 * efficiency)
     iteration_seconds = compute_seconds / (1.0 - bubble)
     return Plan(config, ranks, total_params, active_params, flops, bubble, iteration_seconds,

@@ -223,6 +223,7 @@ def _dcp_load(state: dict[str, Any], path: str, metadata: Any = None, no_dist: b
     directly and through DCP's reader). ``no_dist``: read in this process alone (default: when there is no
     process group). A failure on any rank is the same one-line CheckpointError on every rank (DCP gathers them)."""
     reader = DirectReader(path, read_dcp_metadata(path) if metadata is None else metadata)
+    twins = _set_twins_apart(state)
     with _process_group_or_none() as alone:
         no_dist = alone if no_dist is None else no_dist
         try:
@@ -231,7 +232,30 @@ def _dcp_load(state: dict[str, Any], path: str, metadata: Any = None, no_dist: b
             raise
         except _READ_ERRORS as error:
             raise _one_line(error, path) from None
+    for source, twin in twins:
+        twin.copy_(source)
     return reader
+
+
+def _set_twins_apart(state: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Drop from ``state``'s pieces each second piece of a key at the same offset and size (the tied embedding's
+    copy on the rank that holds the original: the V placement's rank 0); return (read piece, its twin) pairs
+    to copy after the read. DCP reads one piece per key and offset."""
+    twins = []
+    for value in state.values():
+        if not isinstance(value, GlobalPieces):
+            continue
+        first: dict[tuple, torch.Tensor] = {}
+        kept = []
+        for offsets, tensor in value.pieces:
+            box = (tuple(offsets), tuple(tensor.shape))
+            if box in first:
+                twins.append((first[box], tensor))
+            else:
+                first[box] = tensor
+                kept.append((offsets, tensor))
+        value.pieces = kept
+    return twins
 
 
 def _one_line(error: BaseException, path: str) -> ckpt.CheckpointError:

@@ -104,7 +104,7 @@ class TrainingLogger:
 
     def __init__(self, config: Config, ps: ParallelState) -> None:
         self.config, self.ps = config, ps
-        self.reporting = ps.rank == ps.world_size - 1
+        self.reporting = ps.rank == ps.reporting_rank
         # CPU runs report the peak of live tensors (see CPUStepMemory); CUDA runs the allocator's peak.
         self.cpu_memory = CPUStepMemory() if ps.device.type == "cpu" and config.logging.log_memory else None
         self._logged_steps = 0

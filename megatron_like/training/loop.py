@@ -30,6 +30,7 @@ from megatron_like.model.moe.expert_bias import routers_with_expert_bias, update
 from megatron_like.optimizer import DistributedOptimizer
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import get_forward_backward_func
+from megatron_like.pipeline_parallel.placement import ChunkPlacement
 from megatron_like.tensor_parallel import deferred_init, seed_everything
 from megatron_like.training.bad_steps import BadStepGuard
 from megatron_like.training.checkpoint_validation import validate_checkpoint
@@ -115,16 +116,17 @@ def build_model_chunks(config: Config, ps: ParallelState, model_provider: ModelP
     them unit by unit straight into this rank's shards, so start-up never holds the unsharded stage
     (``tensor_parallel/initialization.py``); until then they have shapes and attributes but no values.
     """
-    vp = config.virtual_pipeline_size
+    placement = ChunkPlacement(ps.pp_size, config.virtual_pipeline_size, config.parallel.v_shape)
     chunks = []
     with deferred_init(enabled=config.parallel.zero_stage == 3):
-        for vp_rank in range(vp):
-            layers = chunk_layers(config.model.num_layers, ps.pp_size, ps.pp_rank, vp, vp_rank)
+        for vp_rank in range(placement.vp_size):
+            layers = chunk_layers(config.model.num_layers, ps.pp_size, ps.pp_rank, placement.vp_size, vp_rank,
+                                  placement.v_shape)
             chunks.append(
                 model_provider(
                     config, ps, layers=layers,
-                    pre_process=ps.is_first_stage and vp_rank == 0,
-                    post_process=ps.is_last_stage and vp_rank == vp - 1,
+                    pre_process=placement.is_first(ps.pp_rank, vp_rank),
+                    post_process=placement.is_last(ps.pp_rank, vp_rank),
                 )
             )
     return chunks

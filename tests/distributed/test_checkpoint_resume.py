@@ -1,6 +1,7 @@
 """Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
 
-Layouts: tp2 x pp2, pp2 under the zero-bubble schedule ZB-H1, and ZeRO-2 over dp2 (every dp rank saves its own
+Layouts: tp2 x pp2, pp2 under the zero-bubble schedules ZB-H1, ZB-V and DualPipeV (two chunks per rank in a V),
+and ZeRO-2 over dp2 (every dp rank saves its own
 optimizer shard and RNG states), also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts),
 and ZeRO-3 over dp2 (the model is built deferred and drawn into the shards, then the checkpoint is loaded into the
 gathered units); in the torch format and in torch_dist (global tensors through torch.distributed.checkpoint,
@@ -40,9 +41,11 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
      (2, ["--zero-stage", "3", "--ckpt-format", "torch"]),
      (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
      (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch_dist"]),
-     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--ckpt-format", "torch"])],
+     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--ckpt-format", "torch"]),
+     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--ckpt-format", "torch"]),
+     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev", "--ckpt-format", "torch_dist"])],
     ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "zero3-dp2", "tp2-pp2-torch_dist",
-         "zero2-dp2-offload-torch_dist", "pp2-zb-h1"],
+         "zero2-dp2-offload-torch_dist", "pp2-zb-h1", "pp2-zb-v", "pp2-dualpipev-torch_dist"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:

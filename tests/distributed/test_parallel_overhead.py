@@ -74,12 +74,14 @@ def test_zero3_sends_gather_gather_reduce_scatter(figures, mode):
     assert sent["reduce_scatter"] == pytest.approx(one_pass, rel=0.01), sent
 
 
-@pytest.mark.parametrize("mode, chunks", [("pp", 1), ("pp-interleaved", 2), ("pp-zb-h1", 1)])
-def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figures, mode, chunks):
-    """With v chunks per rank over 2 ranks there are 2v - 1 stage boundaries; each rank sends, per micro
-    batch, the activations ``[s, 1, h]`` (forward) or their gradients (backward) of 2v - 1 of them."""
+@pytest.mark.parametrize("mode, boundaries", [("pp", 1), ("pp-interleaved", 3), ("pp-zb-h1", 1), ("pp-zb-v", 2),
+                                              ("pp-dualpipev", 2)])
+def test_pipeline_sends_each_micro_batch_activation_once_per_stage_boundary(figures, mode, boundaries):
+    """With v chunks per rank over 2 ranks on the ring there are 2v - 1 stage boundaries between the ranks; on the
+    V (two chunks per rank) 2 of its 3 (the middle one is inside rank 1). Each rank sends, per micro batch, the
+    activations ``[s, 1, h]`` (forward) or their gradients (backward) of each of them."""
     activation = TINY.seq * TINY.hidden * 4
-    theory = (2 * chunks - 1) * TINY.global_batch * activation
+    theory = boundaries * TINY.global_batch * activation
     for side in ("ours", "peer"):
         sent = figures[mode]["sent"][side]
         assert theory <= sent <= theory + SCALARS, (mode, side, figures[mode]["sent_by_kind"][side], theory)

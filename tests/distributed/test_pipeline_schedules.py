@@ -4,27 +4,30 @@ the up-front errors."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
 import torch
 
 from megatron_like.config import ConfigError, parse_config
+from megatron_like.config.parallel import V_SCHEDULES
 from megatron_like.parallel_state import ParallelState
 from megatron_like.pipeline_parallel import (
     PipelineP2P,
     Step,
     check_pipeline_schedule,
-    communication_plan,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
+    in_order_plans,
     interleaved_steps,
     one_f_one_b_steps,
     pipeline_tensor_shape,
     zb_h1_steps,
 )
+from megatron_like.pipeline_parallel.comm_plan import Post
 from megatron_like.pipeline_parallel.trace import (
     chrome_trace,
     idle_fractions,
@@ -33,16 +36,18 @@ from megatron_like.pipeline_parallel.trace import (
     simulate_in_order_batches,
     theoretical_bubble,
 )
+from megatron_like.pipeline_parallel.v_schedules import dualpipev_steps, zb_v_steps
 from tests.distributed.megatron_order import megatron_order
 
+NAMED_ORDERS = {"zb-h1": zb_h1_steps, "zb-v": zb_v_steps, "dualpipev": dualpipev_steps}
 LAYOUTS = [(pp, 1, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 LAYOUTS += [(pp, vp, m) for pp in (2, 3, 4) for vp in (2, 3, 4) for m in (pp, 2 * pp, 4 * pp)]
 
 
 def orders(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[Step]]:
     """Every rank's step order: 1F1B (vp 1), interleaved, or the named schedule."""
-    if schedule == "zb-h1":
-        return [zb_h1_steps(pp, r, m, forward_only) for r in range(pp)]
+    if schedule in NAMED_ORDERS:
+        return [NAMED_ORDERS[schedule](pp, r, m, forward_only) for r in range(pp)]
     if vp == 1:
         return [one_f_one_b_steps(pp, r, m, forward_only) for r in range(pp)]
     return [interleaved_steps(pp, r, m, vp, forward_only) for r in range(pp)]
@@ -113,12 +118,18 @@ def test_interleaved_in_flight_bound(pp, vp, m):
         assert max_in_flight(steps) == min(warmup + 1, vp * m)
 
 
+@functools.cache
+def plans(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[Post]]:
+    """Every rank's communication plan as the executor computes it (cached: the V's takes a replay to make)."""
+    return in_order_plans(orders(pp, vp, m, forward_only, schedule), pp, vp, schedule in V_SCHEDULES)
+
+
 def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[int]]:
     """Per rank, for each step, the step after which the communication plan sends its result."""
     result = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
+    for steps, posts in zip(orders(pp, vp, m, forward_only, schedule), plans(pp, vp, m, forward_only, schedule)):
         after = list(range(len(steps)))
-        for post in communication_plan(steps, pp, rank, vp):
+        for post in posts:
             for i in post.sends:
                 after[i] = post.after
         result.append(after)
@@ -136,15 +147,28 @@ def test_simulated_schedule_has_no_deadlock_and_the_theoretical_bubble(pp, vp, m
 
 def plan_batches(pp: int, vp: int, m: int, forward_only: bool = False,
                  schedule: str | None = None) -> list[list[list[tuple[str, int, int]]]]:
-    """Each rank's p2p batches as the executor issues them: activations (tag 0) go to rank + 1, gradients
-    (tag 1) to rank - 1, on the ring."""
+    """Each rank's p2p batches as the executor issues them: on the ring activations (tag 0) go to rank + 1,
+    gradients (tag 1) to rank - 1; on the V (zb-v, dualpipev) chunk 1's go the other way."""
+    v_shape = schedule in V_SCHEDULES
     batches = []
-    for rank, steps in enumerate(orders(pp, vp, m, forward_only, schedule)):
+    every_order = orders(pp, vp, m, forward_only, schedule)
+    for rank, (steps, posts) in enumerate(zip(every_order, plans(pp, vp, m, forward_only, schedule))):
         following, preceding = (rank + 1) % pp, (rank - 1) % pp
+
+        def neighbours(step: Step) -> tuple[int, int]:
+            """The ranks holding the next and the previous stage of this step's chunk."""
+            upwards = v_shape and step.chunk == 1  # the V's chunk 1 runs from the last rank back to rank 0
+            return (preceding, following) if upwards else (following, preceding)
+
+        def send(step: Step) -> tuple[str, int, int]:
+            return ("send", neighbours(step)[0], 0) if step.kind == "F" else ("send", neighbours(step)[1], 1)
+
+        def receive(step: Step) -> tuple[str, int, int]:
+            return ("recv", neighbours(step)[1], 0) if step.kind == "F" else ("recv", neighbours(step)[0], 1)
+
         batches.append([
-            [("send", following, 0) if steps[i].kind == "F" else ("send", preceding, 1) for i in post.sends]
-            + [("recv", preceding, 0) if steps[i].kind == "F" else ("recv", following, 1) for i in post.receives]
-            for post in communication_plan(steps, pp, rank, vp)
+            [send(steps[i]) for i in post.sends] + [receive(steps[i]) for i in post.receives]
+            for post in posts
         ])
     return batches
 
@@ -160,15 +184,17 @@ def assert_plan_runs_in_order(pp: int, vp: int, m: int, schedule: str | None = N
     its step, each send after its step, one operation per direction per batch."""
     simulate_in_order_batches(plan_batches(pp, vp, m, schedule=schedule))
     simulate_in_order_batches(plan_batches(pp, vp, m, forward_only=True, schedule=schedule))
-    for rank, steps in enumerate(orders(pp, vp, m, schedule=schedule)):
-        posts = communication_plan(steps, pp, rank, vp)
+    for steps, posts in zip(orders(pp, vp, m, schedule=schedule), plans(pp, vp, m, schedule=schedule)):
         received = [i for post in posts for i in post.receives]
         sent = [i for post in posts for i in post.sends]
-        assert received == sorted(set(received)) and sent == sorted(set(sent))
+        assert received == sorted(set(received)) and len(sent) == len(set(sent))
+        if schedule not in V_SCHEDULES:  # the ring sends in step order (the V in the order its peers receive)
+            assert sent == sorted(sent)
         assert all(post.after < i for post in posts for i in post.receives)  # posted before the step runs
         assert all(i <= post.after for post in posts for i in post.sends)  # sent once computed
-        assert all(len({steps[i].kind for i in group}) == len(group)  # one operation per direction
-                   for post in posts for group in (post.sends, post.receives))
+        if schedule not in V_SCHEDULES:  # the ring: one operation per direction (the V postpones sends)
+            assert all(len({steps[i].kind for i in group}) == len(group)
+                       for post in posts for group in (post.sends, post.receives))
 
 
 @pytest.mark.parametrize("pp,vp,m", LAYOUTS)
@@ -215,6 +241,8 @@ def test_message_streams_are_consumed_in_the_order_they_are_produced(pp, vp, m):
 
 
 def assert_streams_consumed_in_order(pp: int, vp: int, m: int, schedule: str | None = None) -> None:
+    if schedule in V_SCHEDULES:
+        return assert_v_streams_consumed_in_order(pp, m, schedule)
     ranks = orders(pp, vp, m, schedule=schedule)
     for rank in range(pp):
         receiver = (rank + 1) % pp
@@ -229,6 +257,29 @@ def assert_streams_consumed_in_order(pp: int, vp: int, m: int, schedule: str | N
         wanted = [(s.chunk, s.microbatch) for s in ranks[rank]
                   if s.kind == "B" and not (rank == pp - 1 and s.chunk == vp - 1)]
         assert sent == wanted
+
+
+def assert_v_streams_consumed_in_order(pp: int, m: int, schedule: str) -> None:
+    """The same on the V: chunk 0 of rank r is stage r, chunk 1 is stage 2pp - 1 - r (restated here, apart from
+    placement.py); a result whose next stage is on the same rank is no message."""
+
+    def stage(rank: int, chunk: int) -> int:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+
+    holder = {stage(rank, chunk): rank for rank in range(pp) for chunk in (0, 1)}
+    sent: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    wanted: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for rank, steps in enumerate(orders(pp, 2, m, schedule=schedule)):
+        for step in steps:
+            if step.kind == "W":
+                continue
+            tag, ahead = (0, 1) if step.kind == "F" else (1, -1)
+            here = stage(rank, step.chunk)
+            if 0 <= here + ahead < 2 * pp and holder[here + ahead] != rank:
+                sent.setdefault((rank, holder[here + ahead], tag), []).append((here + ahead, step.microbatch))
+            if 0 <= here - ahead < 2 * pp and holder[here - ahead] != rank:
+                wanted.setdefault((holder[here - ahead], rank, tag), []).append((here, step.microbatch))
+    assert sent == wanted and len(sent) == (4 * (pp - 1) if m else 0)
 
 
 def test_constraint_errors_are_one_line_config_errors():
@@ -262,7 +313,7 @@ def test_p2p_shape_from_config_and_mismatch_message():
     assert pipeline_tensor_shape(32, 2, 64, tp_size=4) == (32, 2, 64)
     p2p = PipelineP2P(ParallelState.single_process(torch.device("cpu")), (32, 2, 64), torch.float32)
     with pytest.raises(ValueError, match=r"\(16, 2, 64\) torch.float32 tensor but the configured pipeline tensor"):
-        p2p.post(send_next=torch.zeros(16, 2, 64))
+        p2p.post([(torch.zeros(16, 2, 64), 1, 0)])
 
 
 def test_trace_helpers():

@@ -1,19 +1,26 @@
-"""ZB-H1's step orders, checked without processes: each micro batch's F, B and W once, W after its B; 1F1B's
-forward/backward order and activation bound kept; the paper's bubble by simulation; the communication plan
-free of deadlocks under NCCL's in-order rule (tags collapsed too); the one-line errors."""
+"""The zero-bubble step orders (ZB-H1, ZB-V, DualPipeV), checked without processes: each micro batch's F, B and W
+once, W after its B; ZB-H1 keeps 1F1B's forward/backward order and activation bound, the V schedules theirs;
+each bubble by simulation against its formula; the communication plan free of deadlocks under NCCL's in-order
+rule (tags collapsed too); the one-line errors."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
 from megatron_like.config import ConfigError, parse_config
+from megatron_like.config.parallel import V_SCHEDULES
+from megatron_like.model import chunk_layers
 from megatron_like.pipeline_parallel import (
     Step,
+    forward_backward_pipelining_dualpipev,
+    forward_backward_pipelining_zb_v,
     forward_backward_pipelining_zero_bubble,
     get_forward_backward_func,
     one_f_one_b_steps,
-    zb_h1_steps,
 )
+from megatron_like.pipeline_parallel.placement import ChunkPlacement
 from megatron_like.pipeline_parallel.trace import (
     idle_fractions,
     max_awaiting_weights,
@@ -21,6 +28,7 @@ from megatron_like.pipeline_parallel.trace import (
     simulate,
     theoretical_bubble,
 )
+from megatron_like.pipeline_parallel.v_schedules import zb_v_bubble
 from megatron_like.pipeline_parallel.zero_bubble import check_weight_steps, zb_h1_bubble
 from tests.distributed.test_pipeline_schedules import (
     assert_plan_needs_no_tags,
@@ -69,15 +77,20 @@ def test_zb_h1_plan_runs_on_in_order_streams_without_tags(pp, m):
     assert_streams_consumed_in_order(pp, 1, m, "zb-h1")
 
 
-def test_weight_step_errors():
-    good = zb_h1_steps(2, 0, 2)
+@pytest.mark.parametrize("schedule", ["zb-h1", *V_SCHEDULES])
+def test_weight_step_errors(schedule):
+    """The executor refuses an order whose W runs twice, never, or before its B (``check_weight_steps``)."""
+    good = orders(2, 2, 2, schedule=schedule)[0]
     check_weight_steps(good)
-    with pytest.raises(ValueError, match="W of micro batch 0 .* runs twice"):
-        check_weight_steps(good + [Step("W", 0, 0)])
-    with pytest.raises(ValueError, match="W of micro batch 1 .* never runs"):
-        check_weight_steps([s for s in good if s != Step("W", 0, 1)])
-    early = [Step("F", 0, 0), Step("W", 0, 0), Step("B", 0, 0)]
-    with pytest.raises(ValueError, match="W of micro batch 0 .* runs before its B"):
+    last = [s for s in good if s.kind == "W"][-1]
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* runs twice"):
+        check_weight_steps(good + [last])
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* never runs"):
+        check_weight_steps([s for s in good if s != last])
+    backward = good.index(Step("B", last.chunk, last.microbatch))
+    early = [s for s in good if s != last]
+    early.insert(backward, last)  # right before its B
+    with pytest.raises(ValueError, match=f"W of micro batch {last.microbatch} .* runs before its B"):
         check_weight_steps(early)
 
 
@@ -95,3 +108,90 @@ def test_schedule_flag_and_its_one_line_errors():
         assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match="interleaved needs --num-layers-per-virtual-pipeline-stage"):
         parse_config(flags + ["--pipeline-schedule", "interleaved"], world_size=2)
+
+
+# ---------------------------------------------------------------- ZB-V and DualPipeV (two chunks per rank, a V)
+V_LAYOUTS = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
+V_PEAK = {"zb-v": lambda pp: 2 * pp, "dualpipev": lambda pp: 2 * pp + 1}  # chunk micro batches held
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("pp,m", V_LAYOUTS)
+def test_v_orders_run_f_b_w_once_within_their_activation_bound(schedule, pp, m):
+    """Each (chunk, micro batch) runs F, B and W once, W after its B, each chunk's micro batches in order; a rank
+    holds at most 2p chunk micro batches under ZB-V (p whole stages: 1F1B's first-stage bound, on every rank)
+    and 2p + 1 under DualPipeV (DeepSeek's PP + 1 stage halves)."""
+    for steps in orders(pp, 2, m, schedule=schedule):
+        assert sorted(steps) == sorted(Step(k, c, i) for k in "FBW" for c in (0, 1) for i in range(m))
+        check_weight_steps(steps)
+        for kind, chunk in itertools.product("FBW", (0, 1)):
+            assert [s.microbatch for s in steps if (s.kind, s.chunk) == (kind, chunk)] == list(range(m))
+        assert max_in_flight(steps) <= V_PEAK[schedule](pp)
+        if m >= 2 * pp:
+            assert max_in_flight(steps) == V_PEAK[schedule](pp)
+    for steps in orders(pp, 2, m, True, schedule):
+        assert sorted(steps) == sorted(Step("F", c, i) for c in (0, 1) for i in range(m))
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("pp,m", V_LAYOUTS)
+def test_v_simulated_bubble(schedule, pp, m):
+    """Step times are a chunk's (half a stage's). ZB-V idles (p - 1) max(B, 2(B - W)) per rank once m >= 2p
+    (``zb_v_bubble``), far below ZB-H1's (p - 1)(F + B - W) in stage times; DualPipeV, its pairs run one after
+    the other (no overlap on a CPU), stays at or under ZB-H1's bubble. Also with results sent as the
+    communication plan batches them, and below 1F1B's with fewer micro batches."""
+    for forward_time, backward_time, weight_time in STEP_TIMES:
+        for plan in (None, sent_after(pp, 2, m, schedule=schedule)):
+            events = simulate(orders(pp, 2, m, schedule=schedule), 2, forward_time, backward_time, plan,
+                              weight_time, v_shape=True)
+            idle = idle_fractions(events)
+            zb_h1 = zb_h1_bubble(pp, m, 2 * forward_time, 2 * backward_time, 2 * weight_time)
+            if m < 2 * pp:
+                assert max(idle) <= theoretical_bubble(pp, 1, m) + 1e-9
+            elif schedule == "zb-v":
+                expected = zb_v_bubble(pp, m, forward_time, backward_time, weight_time)
+                assert idle == pytest.approx([expected] * pp, abs=1e-9)
+                assert expected < zb_h1
+            else:
+                assert max(idle) <= zb_h1 + 1e-9
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+@pytest.mark.parametrize("pp,m", V_LAYOUTS)
+def test_v_plan_runs_on_in_order_streams_without_tags(schedule, pp, m):
+    assert_plan_runs_in_order(pp, 2, m, schedule)
+    assert_plan_needs_no_tags(pp, 2, m, schedule)
+    assert_streams_consumed_in_order(pp, 2, m, schedule)
+
+
+def test_v_placement():
+    """pp = 3: rank 0 holds stages 0 and 5 (embedding and loss), rank 2 stages 2 and 3 (the V's tip, handed
+    over without a message); chunk 1's activations travel to the previous rank, its gradients to the next."""
+    placement = ChunkPlacement(3, 2, v_shape=True)
+    assert [[placement.stage(r, c) for c in (0, 1)] for r in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    assert [chunk_layers(12, 3, r, 2, c, v_shape=True) for r in range(3) for c in (0, 1)] == \
+        [range(0, 2), range(10, 12), range(2, 4), range(8, 10), range(4, 6), range(6, 8)]
+    assert [(r, c) for r in range(3) for c in (0, 1) if placement.is_first(r, c)] == [(0, 0)]
+    assert [(r, c) for r in range(3) for c in (0, 1) if placement.is_last(r, c)] == [(0, 1)]
+    assert placement.result_link(1, "F", 0) == (1, 0, 0) and placement.result_link(1, "F", 1) == (-1, 0, 1)
+    assert placement.result_link(2, "F", 0) == (0, 0, 1) and placement.result_link(2, "B", 1) == (0, 1, 0)
+    assert placement.result_link(1, "B", 1) == (1, 1, 1) and placement.input_link(1, "B", 1) == (-1, 1, 1)
+    assert placement.result_link(0, "F", 1) is None and placement.result_link(0, "B", 0) is None
+
+
+def test_v_schedule_flags_and_their_one_line_errors():
+    assert get_forward_backward_func(2, 2, "zb-v") is forward_backward_pipelining_zb_v
+    assert get_forward_backward_func(2, 2, "dualpipev") is forward_backward_pipelining_dualpipev
+    flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--mock-data",
+             "--vocab-size", "256", "--global-batch-size", "3"]
+    for schedule in V_SCHEDULES:
+        config = parse_config(flags + ["--pipeline-schedule", schedule], world_size=2)
+        assert config.virtual_pipeline_size == 2 and config.parallel.v_shape  # 3 micro batches: any m runs
+        for extra, message in [
+            (["--num-layers-per-virtual-pipeline-stage", "1"], f"{schedule} places two model chunks per rank in a V"),
+            (["--num-layers", "6"], "needs --num-layers 6 divisible by 2 \\* --pipeline-model-parallel-size 2"),
+            (["--pipeline-model-parallel-size", "1"], f"{schedule} needs --pipeline-model-parallel-size > 1"),
+        ]:
+            with pytest.raises(ConfigError, match=message) as error:
+                parse_config(flags + ["--pipeline-schedule", schedule] + extra, world_size=2)
+            assert "\n" not in str(error.value)

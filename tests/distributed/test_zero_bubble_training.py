@@ -1,7 +1,10 @@
-"""ZB-H1 trained through pretrain() equals the single-process run: GPT and Llama, tp2 + sp, ZeRO 1-3 (with the
-overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. Each run's trace must show the
-ZB-H1 order with its W steps, and every W step must have run deferred GEMM weight gradients (so a schedule
-that silently fell back to 1F1B, or to unsplit backwards, fails here although its losses would match).
+"""The zero-bubble schedules trained through pretrain() equal the single-process run. ZB-H1: GPT and Llama, tp2 +
+sp, ZeRO 1-3 (with the overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. ZB-V and
+DualPipeV (two chunks per rank in a V, the loss on rank 0): GPT and Llama, tp2 + sp, ZeRO-1 and 3, full
+recompute, MoE at ep2, spread over six runs, at pp2 (pp4 is checked on the simulator:
+test_zero_bubble_schedules.py). Each run's trace must show its schedule's order with its W steps, and every W
+step must have run deferred GEMM weight gradients (so a schedule that silently fell back to 1F1B, or to unsplit
+backwards, fails here although its losses would match).
 
 Process groups run several layouts in turn (spawning costs more than a run), 3 steps of a 4-layer model each.
 """
@@ -12,14 +15,15 @@ import functools
 
 import pytest
 
-from megatron_like.pipeline_parallel import record_schedule, zb_h1_steps
+from megatron_like.config.parallel import V_SCHEDULES
+from megatron_like.pipeline_parallel import dualpipev_steps, record_schedule, zb_h1_steps, zb_v_steps
 from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_llama_parallel import LLAMA
 from tests.distributed.test_mixed_precision import assert_close_at_precision
 from tests.distributed.test_moe_parallel import MOE
 
-ZB = ["--pipeline-schedule", "zb-h1", "--pipeline-model-parallel-size", "2"]
+ZB = ["--pipeline-model-parallel-size", "2"]
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 MODELS = {"gpt": [], "llama": LLAMA, "llama-bf16": LLAMA + ["--bf16"], "moe": MOE}
@@ -29,22 +33,34 @@ def zero(stage: int, *overlap: str) -> list[str]:
     return ["--zero-stage", str(stage), *overlap]
 
 
+EP2 = ["--expert-model-parallel-size", "2"]
 CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
     2: {
         "gpt-pp2": ("gpt", []),
         "gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
         "llama-pp2": ("llama", []),
         "llama-bf16-pp2": ("llama-bf16", []),
+        "zb-v-gpt-pp2-recompute-full": ("gpt", RECOMPUTE),
+        "dualpipev-llama-pp2": ("llama", []),
     },
     4: {
         "gpt-tp2-sp-pp2": ("gpt", TP2_SP),
         "gpt-dp2-pp2-zero1-overlap": ("gpt", zero(1, "--overlap-grad-reduce")),
         "llama-dp2-pp2-zero2-overlap": ("llama", zero(2, "--overlap-grad-reduce")),
         "llama-dp2-pp2-zero3": ("llama", zero(3)),
-        "moe-dp2-pp2-ep2": ("moe", ["--expert-model-parallel-size", "2"]),
+        "moe-dp2-pp2-ep2": ("moe", EP2),
         "llama-cp2-pp2": ("llama", ["--context-parallel-size", "2"]),
+        "zb-v-llama-tp2-sp-pp2": ("llama", TP2_SP),
+        "zb-v-moe-dp2-pp2-ep2-zero3": ("moe", EP2 + zero(3)),
+        "dualpipev-gpt-dp2-pp2-zero1-overlap-recompute-full": ("gpt", zero(1, "--overlap-grad-reduce") + RECOMPUTE),
+        "dualpipev-moe-dp2-pp2-ep2": ("moe", EP2),
     },
 }
+
+
+def schedule_of(name: str) -> str:
+    """The case's --pipeline-schedule: named by its prefix, else zb-h1."""
+    return next((schedule for schedule in V_SCHEDULES if name.startswith(schedule + "-")), "zb-h1")
 
 
 def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
@@ -81,7 +97,8 @@ def reference(model: str) -> dict:
 @functools.cache
 def runs(world_size: int) -> dict[str, list[dict]]:
     names = list(CASES[world_size])
-    flag_lists = [MODELS[CASES[world_size][n][0]] + ZB + CASES[world_size][n][1] for n in names]
+    flag_lists = [MODELS[CASES[world_size][n][0]] + ZB + CASES[world_size][n][1]
+                  + ["--pipeline-schedule", schedule_of(n)] for n in names]
     per_rank = run_distributed(train_many, world_size, flag_lists, timeout=900)
     return {name: [rank_results[i] for rank_results in per_rank] for i, name in enumerate(names)}
 
@@ -101,14 +118,17 @@ def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> Non
         assert result["closures_per_w"] and min(result["closures_per_w"]) > 0
 
 
-def test_traced_order_is_zb_h1() -> None:
-    """The order run (3 training steps, then evaluations) is zb_h1_steps' for the rank's stage."""
-    results = runs(2)["gpt-pp2"]
+@pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1),
+                                                  ("zb-v-gpt-pp2-recompute-full", zb_v_steps, 2),
+                                                  ("dualpipev-llama-pp2", dualpipev_steps, 2)])
+def test_traced_order_is_the_schedules(name: str, steps_of, chunks: int) -> None:
+    """The order run (3 training steps, then evaluations) is the schedule's for the rank's stage."""
+    results = runs(2)[name]
     for stage, result in enumerate(results):
         steps = result["steps"]
-        order = [tuple(s) for s in zb_h1_steps(2, stage, 4)]
+        order = [tuple(s) for s in steps_of(2, stage, 4)]
         assert steps[: 3 * len(order)] == order * 3
-        assert len(result["closures_per_w"]) == 3 * 4  # one W per micro batch and step
+        assert len(result["closures_per_w"]) == 3 * 4 * chunks  # one W per micro batch, chunk and step
 
 
 def peak_bytes_per_schedule(rank: int, world_size: int) -> dict[str, int]:
@@ -163,3 +183,58 @@ def test_zb_h1_peak_memory_is_1f1bs_plus_the_waiting_w_inputs() -> None:
         bound = result["1f1b"] + result["pp_rank"] * result["kept_per_w"]
         assert result["kept_per_w"] > 0
         assert result["zb-h1"] == pytest.approx(bound, rel=0.1), result
+
+
+def v_peak_bytes(rank: int, world_size: int) -> dict[str, int]:
+    """Peak bytes of tensors alive during one schedule call on this rank's two V chunks of a GPT whose activations
+    dominate: ZB-V with 4 and 8 micro batches, and the V's all-forwards-first order (GPipe's) with 8."""
+    import sys
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_like.config import ParallelConfig
+    from megatron_like.parallel_state import ParallelState
+    from megatron_like.pipeline_parallel import Step, get_forward_backward_func, in_order_plans
+    from megatron_like.pipeline_parallel.schedules import _chunk_data_iterators, _pipeline_p2p, run_pipeline_steps
+    from tests.peak_memory import peak_live_bytes
+
+    sys.path.insert(0, "benchmarks")
+    import pipeline_bubble
+
+    ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size, pipeline_schedule="zb-v"),
+                                  world_size)
+    args = SimpleNamespace(gpt_layers=4, hidden_size=64, seq_length=128, micro_batch_size=4)
+    chunks, forward_step, batches = pipeline_bubble.build_gpt_chunks(ps, 2, args, v_shape=True)
+    zb_v = get_forward_backward_func(world_size, 2, "zb-v")
+    gpipe = [[Step("F", c, i) for c in (0, 1) for i in range(8)] + [Step("B", c, i) for c in (1, 0) for i in range(8)]
+             for _ in range(world_size)]
+    gpipe_plans = in_order_plans(gpipe, world_size, 2, v_shape=True)
+    runs = {
+        "zb-v-4": lambda: zb_v(forward_step, batches, chunks, 4, seq_length=128, micro_batch_size=4),
+        "zb-v-8": lambda: zb_v(forward_step, batches, chunks, 8, seq_length=128, micro_batch_size=4),
+        "gpipe-8": lambda: run_pipeline_steps(gpipe[ps.pp_rank], forward_step, _chunk_data_iterators(batches, 2),
+                                              chunks, 8, _pipeline_p2p(chunks, 128, 4), v_shape=True,
+                                              posts=gpipe_plans[ps.pp_rank]),
+    }
+    peaks = {}
+    for name, run in runs.items():
+
+        def step() -> None:
+            run()
+            for chunk in chunks:
+                chunk.zero_grad(set_to_none=True)
+
+        step()
+        peaks[name] = peak_live_bytes(step)[0]
+    torch.distributed.barrier()
+    return peaks
+
+
+def test_zb_v_peak_memory_does_not_grow_with_micro_batches() -> None:
+    """ZB-V holds at most 2p chunk micro batches on every rank whatever m (its order's bound, met from m = 2p):
+    the measured peak at m = 8 is within 10% of the peak at m = 4, while the V's all-forwards-first order, which
+    holds all m, needs more than half as much again."""
+    for peaks in run_distributed(v_peak_bytes, 2, timeout=600):
+        assert peaks["zb-v-8"] == pytest.approx(peaks["zb-v-4"], rel=0.1), peaks
+        assert peaks["gpipe-8"] > 1.5 * peaks["zb-v-8"], peaks

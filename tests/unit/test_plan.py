@@ -305,7 +305,7 @@ def test_mla_plan_counts_the_latent_projections_whole_on_every_tp_rank():
 
 
 def test_zb_h1_plan_predicts_the_smallest_bubble_at_pp16():
-    """GPT-3 175B at pp 16 with 32 micro batches: ZB-H1 (W steps filling the bubble) < interleaved < 1F1B."""
+    """GPT-3 175B at pp 16 with 32 micro batches: ZB-V < ZB-H1 (W steps filling the bubble) < interleaved < 1F1B."""
     flags = [f for f in GPT3_175B if f not in ("--num-layers-per-virtual-pipeline-stage", "3")]
     flags[flags.index("--global-batch-size") + 1] = "256"  # dp 8: 32 micro batches of 1
 
@@ -315,5 +315,8 @@ def test_zb_h1_plan_predicts_the_smallest_bubble_at_pp16():
 
     one_f_one_b = bubble(["--pipeline-schedule", "1f1b"])
     assert one_f_one_b == pytest.approx(15 / (32 + 15))
-    assert bubble(["--pipeline-schedule", "zb-h1"]) < bubble(["--num-layers-per-virtual-pipeline-stage", "3"]) \
-        < one_f_one_b
+    zb_h1 = bubble(["--pipeline-schedule", "zb-h1"])
+    assert zb_h1 < bubble(["--num-layers-per-virtual-pipeline-stage", "3"]) < one_f_one_b
+    # The V schedules (two chunks per rank): ZB-V below ZB-H1, DualPipeV (no overlap on a CPU) at or under it.
+    assert bubble(["--pipeline-schedule", "zb-v"]) < zb_h1
+    assert bubble(["--pipeline-schedule", "dualpipev"]) <= zb_h1
