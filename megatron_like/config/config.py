@@ -180,10 +180,6 @@ class Config:
         _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
                  f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
                  "rank); use --ckpt-format torch_dist")
-        _require(cp == 1 or m.moe_router_load_balancing_type != "seq_aux_loss",
-                 f"--moe-router-load-balancing-type seq_aux_loss with --context-parallel-size {cp}: each cp rank holds "
-                 "part of every sequence, and the sequence-wise loss needs all of it; use aux_loss (its counts are "
-                 "summed over cp)")
         a2a = {"a2a": cp, "a2a+p2p": (p.hierarchical_context_parallel_sizes or [1])[0]}.get(p.cp_comm_type, 1)
         heads, groups = m.num_attention_heads // tp, m.query_groups // tp
         _require(heads % a2a == 0 and groups % a2a == 0,

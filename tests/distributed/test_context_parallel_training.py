@@ -33,9 +33,9 @@ def cp(size: int, comm_type: str = "p2p") -> list[str]:
     return ["--context-parallel-size", str(size), "--cp-comm-type", comm_type]
 
 
-# DeepSeek routing with the expert bias at cp 2: each cp rank routes half of every sequence, so the bias must follow
-# the counts summed over dp x cp (seq_aux_loss needs whole sequences and is refused at cp > 1: aux_loss here).
-DEEPSEEK_CP = [("aux_loss" if flag == "seq_aux_loss" else flag) for flag in moe.DEEPSEEK]
+# DeepSeek routing with the expert bias and the sequence-level aux loss at cp 2: each cp rank routes half of every
+# sequence, so the bias must follow the counts summed over dp x cp, and each sequence's aux-loss counts are summed
+# over cp (test_moe_parallel's DeepSeek reference: one single-process run for both files).
 
 # Attention dropout is a hash of one seed and the pair (sample, global head, positions), the seed drawn from the
 # per-tp-rank stream: at cp 2 the same pairs drop as in one process whose window takes the same blockwise core.
@@ -63,7 +63,7 @@ CASES: dict[int, dict[str, list[str]]] = {
             "--recompute-granularity", "selective"],
         "moe-cp2-ep2-alltoall": moe.MOE + cp(2) + moe.ep(2) + moe.ALLTOALL,
         "mtp-cp2-p2p": mtp.MTP + cp(2),
-        "deepseek-cp2-ep2-alltoall": moe.MOE + DEEPSEEK_CP + cp(2) + moe.ep(2) + moe.ALLTOALL,
+        "deepseek-cp2-ep2-alltoall": moe.MOE + moe.DEEPSEEK + cp(2) + moe.ep(2) + moe.ALLTOALL,
         "mla-cp2-p2p": MLA_Q_LATENT + cp(2),
     },
     4: {
@@ -89,7 +89,7 @@ def runs(world_size: int) -> dict[str, dict]:
 def test_context_parallel_training_equals_single_process(world_size: int, name: str) -> None:
     run = runs(world_size)[name]
     if name.startswith("deepseek"):
-        expected = moe.reference(tuple(DEEPSEEK_CP))
+        expected = moe.reference(tuple(moe.DEEPSEEK))
         assert_same_training(expected, run)
         moe.assert_same_router_losses(expected, run)
         moe.assert_same_expert_biases(expected, run)

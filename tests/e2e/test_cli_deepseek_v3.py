@@ -53,8 +53,7 @@ DEEPSEEK_V3 = ISSUE_FLAGS + [
 ]
 LOGGED = ("lm loss", "mtp_1 loss", "load_balancing_loss")
 ZERO1, ZERO3 = ["--use-distributed-optimizer"], ["--zero-stage", "3"]
-# (name, layout flags, processes): every layout issue 27 names, at most 4 processes each. Context parallelism
-# joins as one more entry once multi-latent attention runs at cp > 1.
+# (name, layout flags, processes): every layout issue 27 names, at most 4 processes each.
 LAYOUTS: list[tuple[str, list[str], int]] = [
     # tp 2 x dp 2; the experts' own layout etp 1 x ep 2 x expert-dp 2 over the same 4 ranks
     ("tp2-sp-ep2-etp1-zero1", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -63,6 +62,10 @@ LAYOUTS: list[tuple[str, list[str], int]] = [
     ("dp4-ep2-etp2-zero3", ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"] + ZERO3, 4),
     # stage 0: embedding and the dense layer; stage 1: the MoE layer, the MTP depth, the output layer
     ("pp2-dp2-zero3", ["--pipeline-model-parallel-size", "2"] + ZERO3, 4),
+    # cp 2 (ring) x dp 2, the experts over 2 of the dp x cp ranks (ep 2, expert-dp 2): each cp rank holds half of
+    # every sequence (MLA's rope slice, the MTP shift and the sequence-level balance loss's counts cross it)
+    ("cp2-p2p-dp2-ep2-zero1", ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
+                               "--expert-model-parallel-size", "2"] + ZERO1, 4),
 ]
 RESUMED_LAYOUT = "pp2-dp2-zero3"
 

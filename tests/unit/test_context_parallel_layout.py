@@ -46,8 +46,6 @@ def test_a_cp_rank_with_every_token_masked_gives_a_finite_loss_and_no_gradient()
     ("--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2", "needs --cp-comm-type a2a+p2p"),
     ("--context-parallel-size 2 --ckpt-format torch --save ckpt", "--ckpt-format torch cannot save "
                                                                   "--context-parallel-size 2"),
-    ("--context-parallel-size 2 --num-experts 4 --disable-bias-linear --moe-router-load-balancing-type seq_aux_loss",
-     "seq_aux_loss with --context-parallel-size 2"),
 ])
 def test_a_layout_that_cannot_work_stops_in_one_line(extra: str, expected: str, capsys, monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -37,6 +37,11 @@ DeepSeek-V3's routing (Megatron-LM's flags):
   ``--moe-router-bias-update-rate`` towards the experts below the mean load.
 * ``seq_aux_loss``: the load-balancing loss of each sequence of the micro batch, averaged over them.
 
+With context parallelism each cp rank routes part of every sequence: the counts ``f`` of both losses are summed over
+the cp group (no gradient), ``P`` stays this rank's mean, and the cp ranks' mean loss (what the dp x cp gradient
+average and the log take) is the whole sequences' loss. Tensor parallelism needs nothing: the MoE layer routes the
+gathered sequence on every tp rank.
+
 The load-balancing losses score every expert without the bias or the group limit (Megatron-LM's and
 DeepSeek-V3's rule): ``softmax(logits)``, or sigmoid scores divided by their sum over the E experts, and
 their plain top-k as ``f``. Qwen3-MoE's normalized top-k (``norm_topk_prob``: softmax over all experts, top-k,
@@ -120,16 +125,33 @@ def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tens
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def sequence_load_balancing_loss(scores: torch.Tensor, num_sequences: int, topk: int) -> torch.Tensor:
+def fraction_routed_over_cp(chosen: torch.Tensor, tokens: int, topk: int, cp_group: comm.Group) -> torch.Tensor:
+    """``f``: the share of the ``tokens x topk`` assignments that chose each expert, both summed over ``cp_group``.
+
+    ``chosen [tokens, ..., E]`` bool marks this rank's choices (counted over dim 0); the result is ``[..., E]``, a
+    count with no gradient. With context parallelism each cp rank holds part of every sequence: the counts and the
+    token total become the whole sequence's.
+    """
+    routed = chosen.sum(dim=0).float()
+    counts = torch.cat([routed.flatten(), routed.new_full((1,), float(tokens))])
+    comm.all_reduce(counts, cp_group)
+    return counts[:-1].view_as(routed) / (counts[-1] * topk)
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, num_sequences: int, topk: int,
+                                 cp_group: comm.Group = None) -> torch.Tensor:
     """The Switch loss of each sequence, averaged over the ``num_sequences`` of the micro batch.
 
     ``scores [T = s b, E]`` (rows sequence-position-major, as the MoE layer flattens ``[s, b, h]``; each row sums
-    to 1); ``f`` counts each sequence's own top-k choices (DeepSeek-V2/V3's sequence-wise balance loss)."""
+    to 1); ``f`` counts each sequence's own top-k choices (DeepSeek-V2/V3's sequence-wise balance loss). With
+    context parallelism (``cp_group``) ``f`` is each whole sequence's and ``P`` this rank's part of it, as in
+    :func:`switch_load_balancing_loss`: the mean of the cp ranks' losses is the whole sequences' loss.
+    """
     tokens, experts = scores.shape
     per_sequence = scores.view(tokens // num_sequences, num_sequences, experts)  # [s, b, E]
     chosen = torch.zeros_like(per_sequence, dtype=torch.bool).scatter_(
         2, per_sequence.topk(topk, dim=-1).indices, True)
-    fraction_routed = chosen.sum(dim=0).float() / (per_sequence.shape[0] * topk)  # [b, E]
+    fraction_routed = fraction_routed_over_cp(chosen, per_sequence.shape[0], topk, cp_group)  # [b, E]
     mean_prob = per_sequence.mean(dim=0)  # [b, E]
     return experts * (fraction_routed * mean_prob).sum(dim=-1).mean()
 
@@ -143,9 +165,7 @@ def switch_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor, 
     and the logged mean) is the whole sequence's loss.
     """
     tokens, experts = scores.shape
-    counts = torch.cat([routing_map.sum(dim=0).float(), scores.new_full((1,), float(tokens))])
-    comm.all_reduce(counts, cp_group)
-    fraction_routed = counts[:-1] / (counts[-1] * topk)  # f_e, no gradient (a count)
+    fraction_routed = fraction_routed_over_cp(routing_map, tokens, topk, cp_group)  # f_e, no gradient (a count)
     mean_prob = scores.mean(dim=0)  # P_e
     return experts * (fraction_routed * mean_prob).sum()
 
@@ -269,7 +289,7 @@ class TopKRouter(nn.Module):
                 loss_map = torch.zeros_like(routing_map).scatter_(1, scores.topk(self.topk, dim=-1).indices, True)
                 loss = switch_load_balancing_loss(scores, loss_map, self.topk, self.cp_group)
             else:
-                loss = sequence_load_balancing_loss(scores, num_sequences, self.topk)
+                loss = sequence_load_balancing_loss(scores, num_sequences, self.topk, self.cp_group)
             self._record("load_balancing_loss", loss)
             if self.aux_loss_coeff > 0:
                 probs = attach_aux_loss(probs, self.aux_loss_coeff * loss)
