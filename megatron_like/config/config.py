@@ -175,6 +175,9 @@ class Config:
         _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
                  f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
                  "rank); use --ckpt-format torch_dist")
+        _require(cp == 1 or m.dropout_rng == "megatron" or m.attention_dropout == 0,
+                 f"--dropout-rng {m.dropout_rng} draws attention dropout per whole head, which --context-parallel-size "
+                 f"{cp} splits over ranks: use --dropout-rng megatron or --attention-dropout 0")
         _require(cp == 1 or not m.multi_latent_attention,
                  f"--multi-latent-attention has no context-parallel attention yet: drop --context-parallel-size {cp}")
         _require(cp == 1 or m.moe_router_load_balancing_type != "seq_aux_loss",

@@ -38,6 +38,7 @@ from torch import nn
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_apply_rotary
 from megatron_like.model.blockwise_attention import allowed_pairs
+from megatron_like.model.dropout import LAYOUT_INDEPENDENT, per_head_attention
 from megatron_like.model.norms import RMSNorm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -95,6 +96,9 @@ class MultiLatentAttention(nn.Module):
         factor = 1.0 if self.rope_scaling is None else self.rope_scaling.softmax_scale_factor
         self.softmax_scale = factor / math.sqrt(self.nope_dim + self.rope_dim)
         self.attention_dropout = config.attention_dropout
+        # --dropout-rng layout-independent: each global head draws its own mask (model/dropout.py)
+        self.per_head_dropout = config.dropout_rng == LAYOUT_INDEPENDENT
+        self.total_heads, self.first_head = heads, ps.tp_rank * self.heads_per_rank
         self.recompute_core_attention = config.recompute_granularity == "selective"
         std = config.init_method_std
         name = f"layers.{layer}.attention"
@@ -196,10 +200,18 @@ class MultiLatentAttention(nn.Module):
         if document_ids is not None:
             positions = torch.arange(q.shape[2], device=q.device)
             mask = allowed_pairs(positions, positions, document_ids, document_ids, None, self.causal)
-        with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
-            context = F.scaled_dot_product_attention(
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=None if mask is None else mask[:, None], dropout_p=dropout_p,
                 is_causal=self.causal and mask is None, scale=self.softmax_scale)
+
+        if dropout_p > 0 and self.per_head_dropout:
+            context = per_head_attention(attend, q, k, v, f"layers.{self.layer}.attention", self.total_heads,
+                                         self.first_head)
+        else:
+            with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
+                context = attend(q, k, v)
         return self.merge_heads(context)
 
     def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None
