@@ -8,8 +8,8 @@ dropout 0.1 where ours has it), the tokenized examples (``SentencePairDataset``:
 lr with 10% warmup then linear decay to 0, and the whole-dev-set accuracy at the end. Everything else is
 PyTorch's default, not ours:
 
-- the head is ``nn.Linear(h, num_classes)`` with its default initialization (ours: weight drawn at std 0.02, bias
-  at 0);
+- the head is ``nn.Linear(h, num_classes)`` with its default initialization and bias (ours: bias-free, drawn at
+  std 0.02);
 - ``torch.optim.AdamW`` with its defaults (weight decay 0.01 on every parameter; ours: matrices only), no
   gradient clipping (ours: 1.0), ``LambdaLR`` for the schedule;
 - a ``DataLoader`` reshuffling the training set every epoch from ``torch.manual_seed(--seed)`` (ours: its own
@@ -24,7 +24,7 @@ At the end the whole dev set is evaluated once and printed in our format::
 ``benchmarks/learning_quality.py finetune`` runs it next to ``finetune_gpt_classification.py``.
 
 ``--as-ours CHOICE ...`` swaps single choices for ours, to find which of them moves the dev accuracy (issue 32
-item 4): ``head`` (our head, drawn by our model from ``--seed``), ``decay`` (matrices only), ``clip``
+item 4): ``head`` (our bias-free head, drawn by our model from ``--seed``), ``decay`` (matrices only), ``clip``
 (1.0), ``schedule`` (Megatron's: lr 0 at the first step, ``s / warmup`` then linear to 0), ``order`` (our
 ``EpochDataset`` sample order). Without it the script is PyTorch's defaults as listed above.
 """
@@ -139,10 +139,10 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                                args.num_attention_heads, args.num_classes, args.dropout, args.dropout)
     body = pretrained_body(args, vocab)
     plain_gpt.copy_weights(model.gpt, body)
-    if "head" in ours:  # copied into the plain head: no new draw, so the order and the masks stay the plain side's
+    if "head" in ours:
+        model.head = nn.Linear(args.hidden_size, args.num_classes, bias=False)
         with torch.no_grad():
             model.head.weight.copy_(body.head_weight)
-            model.head.bias.copy_(body.head_bias)
     params = model.parameters()
     if "decay" in ours:
         params = [{"params": [p for p in model.parameters() if p.ndim > 1]},

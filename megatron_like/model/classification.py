@@ -2,7 +2,7 @@
 
 The body is GPT's: the same embedding, causal layers and final LayerNorm under the same parameter names,
 so a pretrained GPT checkpoint of any (tp, pp) layout loads into it (:func:`load_pretrained_gpt`). The
-language-model output layer is replaced by ``head``: ``h -> num_classes`` with a bias, applied to the
+language-model output layer is replaced by ``head``: ``h -> num_classes`` without bias, applied to the
 final hidden state of each sequence's last real token (causal attention: it has seen the whole pair).
 
 One ``GPTClassificationModel`` is one pipeline chunk: the first chunk owns the embedding, the last the
@@ -57,10 +57,6 @@ class GPTClassificationModel(nn.Module):
             self.final_layernorm = build_norm(config, sequence_parallel, dtype, ps.device)
             self.head_weight = replicated_parameter((num_classes, config.hidden_size), config.init_method_std, seed,
                                                     "classification_head.weight", dtype, ps.device)
-            # A bias (1-D, so not weight-decayed), zero at the start as the ViT's head: it learns the class priors
-            # directly; without it the fine-tune ended 4.8 points lower on average (docs/workflows.md, issue 32).
-            self.head_bias = replicated_parameter((num_classes,), 0.0, seed, "classification_head.bias", dtype,
-                                                  ps.device)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hidden states ``[s, b, h]`` received from the previous pipeline stage."""
@@ -96,7 +92,7 @@ class GPTClassificationModel(nn.Module):
                                                                  grad_is_partial=False)  # (s, b, h)
         batch = torch.arange(hidden_states.shape[1], device=hidden_states.device)
         pooled = hidden_states[last_index, batch]  # (b, h)
-        return F.linear(pooled, self.head_weight, self.head_bias)  # (b, num_classes)
+        return F.linear(pooled, self.head_weight)  # (b, num_classes)
 
 
 PRETRAINED_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "head_dim", "qk_layernorm", "ffn_size",
@@ -141,7 +137,7 @@ def load_pretrained_gpt(chunk: GPTClassificationModel, root: str) -> list[str]:
     missing, unexpected = load_initial_values(chunk, state)
     if unexpected:
         raise ValueError(f"pretrained checkpoint {root} holds parameters this model lacks: {unexpected}")
-    body_missing = [name for name in missing if name not in ("head_weight", "head_bias")]
+    body_missing = [name for name in missing if name != "head_weight"]
     if body_missing:
         raise ValueError(f"pretrained checkpoint {root} lacks {body_missing}")
     return list(missing)

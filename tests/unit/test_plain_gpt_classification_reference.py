@@ -43,9 +43,9 @@ def test_plain_classifier_computes_our_loss_and_gradients(plain):
     model = plain.PlainGPTClassifier(VOCAB, SEQ, LAYERS, HIDDEN, HEADS, CLASSES, hidden_dropout=0.0,
                                      attention_dropout=0.0)
     plain.plain_gpt.copy_weights(model.gpt, ours)
-    with torch.no_grad():
+    with torch.no_grad():  # ours is bias-free
         model.head.weight.copy_(ours.head_weight)
-        model.head.bias.copy_(ours.head_bias)
+        model.head.bias.zero_()
     tokens = torch.randint(0, VOCAB, (4, SEQ))
     last_index = torch.tensor([SEQ - 1, 6, 0, 11])  # full, padded, one token, padded
     labels = torch.tensor([0, 3, 4, 1])
@@ -59,9 +59,9 @@ def test_plain_classifier_computes_our_loss_and_gradients(plain):
     torch.testing.assert_close(plain_logits, ours_logits, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(plain_loss, ours_loss, rtol=1e-5, atol=0)
     plain_params = dict(model.named_parameters())
-    assert len(plain_params) == len(list(ours.parameters()))
+    assert len(plain_params) == len(list(ours.parameters())) + 1  # + the head's bias
     for name, param in ours.named_parameters():
-        theirs = {"head_weight": "head.weight", "head_bias": "head.bias"}.get(name) or "gpt." + plain_name(name)
+        theirs = "head.weight" if name == "head_weight" else "gpt." + plain_name(name)
         torch.testing.assert_close(plain_layout(name, param.grad), plain_params[theirs].grad,
                                    rtol=1e-4, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     # The check sees the pooled token: the final position instead of the last real one moves the loss.
