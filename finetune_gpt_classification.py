@@ -62,7 +62,8 @@ class ClassificationConfig:
 def build_config(argv: list[str] | None = None) -> tuple[Config, ClassificationConfig]:
     """Parse and validate the flags; derive the iterations from --epochs and scale the learning rate."""
     config, task = parse_task_args(argv, ClassificationConfig, "Fine-tune GPT for sequence classification",
-                                   defaults={"optimizer.lr_warmup_fraction": 0.1, "optimizer.weight_decay": 0.01})
+                                   defaults={"optimizer.lr_warmup_fraction": 0.1, "optimizer.weight_decay": 0.01,
+                                             "model.dropout_rng": "layout-independent"})
     if task.train_data is None:
         raise ConfigError("--train-data is required (TSV or JSONL with sentence1, sentence2, label)")
     if task.num_classes < 2:

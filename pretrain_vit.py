@@ -46,8 +46,9 @@ MOCK_VALID_IMAGES = 256
 def build_config(argv: list[str] | None = None) -> tuple[Config, VisionConfig]:
     """Parse and validate the flags; the sequence length follows from the image and patch sizes."""
     # ViT has no vocabulary; the value only satisfies the --mock-data rule of the GPT flags.
+    # Dropout masks that do not depend on the layout: a tp x pp run is the one-process run (model/dropout.py).
     config, vision = parse_task_args(argv, VisionConfig, "Train a ViT image classifier",
-                                     defaults={"model.vocab_size": 1})
+                                     defaults={"model.vocab_size": 1, "model.dropout_rng": "layout-independent"})
     vision.validate()
     if vision.num_classes is None:
         if config.data.mock_data:

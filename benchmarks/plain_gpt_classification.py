@@ -22,6 +22,11 @@ At the end the whole dev set is evaluated once and printed in our format::
         --num-classes 8 --vocab-file runs/demo/tokenizer/vocab.json --merge-file runs/demo/tokenizer/merges.txt
 
 ``benchmarks/learning_quality.py finetune`` runs it next to ``finetune_gpt_classification.py``.
+
+``--as-ours CHOICE ...`` swaps single choices for ours, to find which of them moves the dev accuracy (issue 32
+item 4): ``head`` (our bias-free head, drawn by our model from ``--seed``), ``decay`` (matrices only), ``clip``
+(1.0), ``schedule`` (Megatron's: lr 0 at the first step, ``s / warmup`` then linear to 0), ``order`` (our
+``EpochDataset`` sample order). Without it the script is PyTorch's defaults as listed above.
 """
 
 from __future__ import annotations
@@ -75,6 +80,24 @@ def pretrained_body(args: argparse.Namespace, vocab: int) -> nn.Module:
     return ours
 
 
+AS_OURS = ("head", "decay", "clip", "schedule", "order")
+"""The choices ``--as-ours`` can swap for ours, one at a time or together."""
+
+
+def megatron_schedule(warmup: int, total: int):
+    """``LambdaLR`` factor of step ``s`` (0-based) in our (Megatron's) schedule: ``s / warmup`` up to 1 (so the
+    first step moves nothing), then linear to 0 at ``total``."""
+    return lambda s: s / warmup if warmup > 0 and s <= warmup else max(0.0, (total - s) / max(1, total - warmup))
+
+
+def our_batches(train_set: TensorDataset, batch_size: int, train_iters: int, seed: int) -> list[list[int]]:
+    """The training-set indices of each global batch in our order (``EpochDataset``, as our fine-tune reads)."""
+    from megatron_like.data.classification_dataset import EpochDataset
+
+    order = EpochDataset(range(len(train_set)), train_iters * batch_size, seed)
+    return [[order[i * batch_size + j] for j in range(batch_size)] for i in range(train_iters)]
+
+
 def tensors(dataset) -> TensorDataset:
     """A ``SentencePairDataset`` as tensors: tokens ``[n, s]``, last_index ``[n]``, label ``[n]``."""
     return TensorDataset(*(torch.stack([torch.as_tensor(row[key]) for row in dataset.samples])
@@ -111,13 +134,26 @@ def train(args: argparse.Namespace) -> dict[str, float]:
           f"lr {args.lr:.3E}", flush=True)
 
     torch.manual_seed(args.seed)
+    ours = set(args.as_ours)
     model = PlainGPTClassifier(vocab, args.max_position_embeddings, args.num_layers, args.hidden_size,
                                args.num_attention_heads, args.num_classes, args.dropout, args.dropout)
-    plain_gpt.copy_weights(model.gpt, pretrained_body(args, vocab))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_linear_decay(warmup, train_iters))
+    body = pretrained_body(args, vocab)
+    plain_gpt.copy_weights(model.gpt, body)
+    if "head" in ours:
+        model.head = nn.Linear(args.hidden_size, args.num_classes, bias=False)
+        with torch.no_grad():
+            model.head.weight.copy_(body.head_weight)
+    params = model.parameters()
+    if "decay" in ours:
+        params = [{"params": [p for p in model.parameters() if p.ndim > 1]},
+                  {"params": [p for p in model.parameters() if p.ndim <= 1], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    factor = (megatron_schedule if "schedule" in ours else warmup_then_linear_decay)(warmup, train_iters)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     # drop_last: every iteration sees --batch-size examples, as ours does.
     loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    if "order" in ours:
+        loader = DataLoader(train_set, batch_sampler=our_batches(train_set, args.batch_size, train_iters, args.seed))
     iteration = 0
     while iteration < train_iters:
         for tokens, last_index, label in loader:
@@ -125,6 +161,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             loss = F.cross_entropy(logits.float(), label)
             optimizer.zero_grad()
             loss.backward()
+            if "clip" in ours:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
             iteration += 1
@@ -163,6 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's default, on every parameter")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--as-ours", nargs="*", choices=AS_OURS, default=[],
+                        help="swap these choices for ours (an ablation; default: none, PyTorch's defaults)")
     return parser.parse_args(argv)
 
 

@@ -9,9 +9,10 @@ or the draw of its dropout masks? (Issue 32: seed 1234 reached 66.57% at tp2 x p
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
 
 The weights are drawn from generators of ``--seed`` and each weight's name, the samples are shuffled from
-``--seed``; only the default generator and the tensor-parallel dropout stream (``seed_everything``, which the
-training loop calls once) see the offset. Offset 0 is ``pretrain_vit.py`` itself. Results: docs/performance.md,
-"Learning quality against plain PyTorch".
+``--seed``; only the dropout streams (``seed_everything``, which the training loop calls once: the default generator
+and the tensor-parallel stream of ``--dropout-rng megatron``, the dropout sites of ``layout-independent``, the ViT's
+default) see the offset. Offset 0 is ``pretrain_vit.py`` itself. Results: docs/performance.md, "Learning quality
+against plain PyTorch" (the figures there predate ``layout-independent``: they were drawn from Megatron's streams).
 """
 
 from __future__ import annotations

@@ -180,6 +180,9 @@ class Config:
         _require(not self.checkpoint.save or self.checkpoint.ckpt_format == "torch_dist",
                  f"--ckpt-format torch cannot save --context-parallel-size {cp} (its files are cut per tp, pp and dp "
                  "rank); use --ckpt-format torch_dist")
+        _require(cp == 1 or m.dropout_rng == "megatron" or m.attention_dropout == 0,
+                 f"--dropout-rng {m.dropout_rng} draws attention dropout per whole head, which --context-parallel-size "
+                 f"{cp} splits over ranks: use --dropout-rng megatron or --attention-dropout 0")
         a2a = {"a2a": cp, "a2a+p2p": (p.hierarchical_context_parallel_sizes or [1])[0]}.get(p.cp_comm_type, 1)
         heads, groups = m.num_attention_heads // tp, m.query_groups // tp
         _require(heads % a2a == 0 and groups % a2a == 0,

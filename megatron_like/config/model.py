@@ -62,6 +62,13 @@ class ModelConfig:
     """Dropout after the attention and MLP output projections and on the embeddings."""
     attention_dropout: Annotated[float, MAY_CHANGE, PROBABILITY] = 0.1
     """Dropout on the attention probabilities."""
+    dropout_rng: Annotated[Literal["megatron", "layout-independent"], MAY_CHANGE] = "megatron"
+    """Where dropout masks come from. megatron: Megatron-LM's streams (the default generator per pipeline stage,
+    shared by the tp ranks; a per-tp-rank stream for attention heads and sequence shards), so each layout draws
+    other masks. layout-independent: one stream per site (the embedding, each layer's residual dropout and
+    attention, per global head), seeded by --seed and the site's name, so every tp x pp layout drops what one
+    process drops; attention then runs head by head (model/dropout.py). pretrain_vit.py's and
+    finetune_gpt_classification.py's default."""
     init_method_std: Annotated[float, NotCompared("initialization only: loaded weights replace it"), POSITIVE] = 0.02
     """Standard deviation of the normal weight init (output projections use std / sqrt(2 * num layers))."""
     init_method_xavier_uniform: Annotated[bool, NotCompared("initialization only: loaded weights replace it")] = False

@@ -12,6 +12,7 @@ from torch import nn
 
 from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_vocab_cross_entropy
+from megatron_like.model.dropout import ActivationDropout
 from megatron_like.model.mtp import MultiTokenPrediction
 from megatron_like.model.norms import build_norm
 from megatron_like.model.transformer import (
@@ -62,7 +63,7 @@ class GPTEmbedding(nn.Module):
                  sequence_parallel: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.tp_group, self.sequence_parallel = ps.tp_group, sequence_parallel
-        self.dropout_p = config.hidden_dropout
+        self.dropout = ActivationDropout(config, ps, sequence_parallel, "embedding")
         self.word_embeddings = VocabParallelEmbedding(
             vocab_size, config.hidden_size, tp_group=ps.tp_group, init_method=normal_init(config.init_method_std),
             seed=seed, name=WORD_EMBEDDINGS, dtype=dtype, device=ps.device,
@@ -85,7 +86,7 @@ class GPTEmbedding(nn.Module):
         x = self.word_embeddings(input_ids)  # (b, s, h)
         if self.position_embeddings is not None:
             x = x + weight_grad.embedding(position_ids, self.position_embeddings.weight)  # split in zero-bubble
-        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
+        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout, self.training)
 
 
 class GPTModel(nn.Module):
@@ -249,5 +250,5 @@ class GPTModel(nn.Module):
         """Word embeddings of ``token_ids [b, s]`` in the layers' layout ``[s, b, h]`` (``[s / tp, b, h]`` with
         sequence parallelism), with the embedding dropout; no position embedding (model/mtp.py)."""
         x = vocab_parallel_embedding(token_ids, self.word_embedding_weight(), self.ps.tp_group)
-        return embeddings_to_layers(x, self.ps.tp_group, self.sequence_parallel, self.config.hidden_dropout,
-                                    self.training)
+        dropout = ActivationDropout(self.config, self.ps, self.sequence_parallel, "mtp.embedding")
+        return embeddings_to_layers(x, self.ps.tp_group, self.sequence_parallel, dropout, self.training)

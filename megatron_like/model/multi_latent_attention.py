@@ -44,6 +44,7 @@ from megatron_like.config import ModelConfig
 from megatron_like.kernels import fused_apply_rotary
 from megatron_like.model.blockwise_attention import blockwise_attention
 from megatron_like.model.context_parallel import context_parallel_attention, cp_rotary_tables
+from megatron_like.model.dropout import LAYOUT_INDEPENDENT, per_head_attention
 from megatron_like.model.norms import RMSNorm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -113,6 +114,9 @@ class MultiLatentAttention(nn.Module):
         factor = 1.0 if self.rope_scaling is None else self.rope_scaling.softmax_scale_factor
         self.softmax_scale = factor / math.sqrt(self.nope_dim + self.rope_dim)
         self.attention_dropout = config.attention_dropout
+        # --dropout-rng layout-independent: each global head draws its own mask (model/dropout.py)
+        self.per_head_dropout = config.dropout_rng == LAYOUT_INDEPENDENT
+        self.total_heads, self.first_head = heads, ps.tp_rank * self.heads_per_rank
         self.recompute_core_attention = config.recompute_granularity == "selective"
         std = config.init_method_std
         name = f"layers.{layer}.attention"
@@ -214,18 +218,26 @@ class MultiLatentAttention(nn.Module):
         the sequence (``context_parallel_attention``, every ``--cp-comm-type``)."""
         q, k, v = self.split_heads(q, kv, k_rope)
         dropout_p = self.attention_dropout if self.training else 0.0
-        with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.context_parallel is not None:
-                context = context_parallel_attention(q, k, v, self.context_parallel, causal=self.causal,
-                                                     dropout_p=dropout_p, softmax_scale=self.softmax_scale,
-                                                     document_ids=document_ids)
-            elif document_ids is not None:
+                return context_parallel_attention(q, k, v, self.context_parallel, causal=self.causal,
+                                                  dropout_p=dropout_p, softmax_scale=self.softmax_scale,
+                                                  document_ids=document_ids)
+            if document_ids is not None:
                 context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
                                                  causal=self.causal, softmax_scale=self.softmax_scale,
                                                  dropout_p=dropout_p)
-            else:
-                context = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal,
-                                                         scale=self.softmax_scale)
+                return context
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=self.causal,
+                                                  scale=self.softmax_scale)
+
+        if dropout_p > 0 and self.per_head_dropout:  # --dropout-rng layout-independent (refused with cp > 1)
+            context = per_head_attention(attend, q, k, v, f"layers.{self.layer}.attention", self.total_heads,
+                                         self.first_head)
+        else:
+            with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():  # heads are tp shards
+                context = attend(q, k, v)
         return self.merge_heads(context)
 
     def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None

@@ -37,6 +37,7 @@ from megatron_like.kernels.swiglu import swiglu_reference as swiglu  # noqa: F40
 from megatron_like.model.attention_mask import sliding_window_mask
 from megatron_like.model.blockwise_attention import allowed_pairs, blockwise_attention
 from megatron_like.model.context_parallel import context_parallel_attention, cp_rotary_tables
+from megatron_like.model.dropout import LAYOUT_INDEPENDENT, ActivationDropout, per_head_attention
 from megatron_like.model.norms import build_head_norm, build_norm
 from megatron_like.model.rotary import rope_scaling_of, sequence_rotary_tables
 from megatron_like.parallel_state import ParallelState
@@ -52,22 +53,14 @@ from megatron_like.tensor_parallel.initialization import InitMethod
 from megatron_like.tensor_parallel.random import checkpoint
 
 
-def sharded_dropout_context(sequence_parallel: bool):
-    """Dropout on sequence-parallel shards must differ per tp rank: use the tracker's stream there."""
-    return get_rng_tracker().fork() if sequence_parallel else nullcontext()
-
-
-def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dropout_p: float,
+def embeddings_to_layers(x: torch.Tensor, tp_group, sequence_parallel: bool, dropout: ActivationDropout,
                          training: bool) -> torch.Tensor:
     """Embedding output ``[b, s, h]`` -> the layers' input ``[s, b, h]`` (``[s / tp, b, h]`` with sequence
     parallelism), with the embedding dropout drawn from the right stream for that layout."""
     x = x.transpose(0, 1).contiguous()  # (s, b, h)
     if sequence_parallel:
         x = scatter_to_sequence_parallel_region(x, tp_group)  # (s / tp, b, h)
-    if training and dropout_p > 0:
-        with sharded_dropout_context(sequence_parallel):
-            x = F.dropout(x, p=dropout_p, training=True)
-    return x
+    return dropout(x, training)
 
 
 def layer_init_methods(config: ModelConfig) -> tuple[InitMethod, InitMethod]:
@@ -108,6 +101,9 @@ class SelfAttention(nn.Module):
         self.rope_scaling = rope_scaling_of(config) if self.rotary else None
         self.window = config.attention_window if causal else None  # keys per query, itself included
         self.attention_dropout = config.attention_dropout
+        # --dropout-rng layout-independent: each global head draws its own mask (model/dropout.py)
+        self.per_head_dropout = config.dropout_rng == LAYOUT_INDEPENDENT
+        self.total_heads, self.first_head = config.num_attention_heads, ps.tp_rank * self.heads_per_rank
         self.backend, self.softmax_fusion = config.attention_core, config.masked_softmax_fusion
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.layer = layer
@@ -206,25 +202,31 @@ class SelfAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         dropout_p = self.attention_dropout if self.training else 0.0
         blockwise = self.skips_masked_blocks(q.shape[2], document_ids)
-        grouped = self.groups_per_rank != self.heads_per_rank
         band = None if blockwise or self.context_parallel is not None else self.dense_mask(q.shape[2], q.device,
                                                                                           document_ids)
         window_left = None if self.window is None else self.window - 1
-        # Heads are tp shards, so their dropout masks come from the per-tp-rank stream.
-        with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.context_parallel is not None:  # the other cp ranks hold the rest of the sequence
-                context = context_parallel_attention(q, k, v, self.context_parallel, window_left=window_left,
-                                                     causal=self.causal, dropout_p=dropout_p, document_ids=document_ids)
-            elif blockwise:
-                context, _ = blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
-                                                 window_left=window_left, causal=self.causal, dropout_p=dropout_p)
-            elif self.backend == "sdpa":
-                context = F.scaled_dot_product_attention(
+                return context_parallel_attention(q, k, v, self.context_parallel, window_left=window_left,
+                                                  causal=self.causal, dropout_p=dropout_p, document_ids=document_ids)
+            if blockwise:
+                return blockwise_attention(q, k, v, q_documents=document_ids, k_documents=document_ids,
+                                           window_left=window_left, causal=self.causal, dropout_p=dropout_p)[0]
+            if self.backend == "sdpa":
+                return F.scaled_dot_product_attention(
                     q, k, v, attn_mask=band, dropout_p=dropout_p, is_causal=self.causal and band is None,
-                    enable_gqa=grouped,
+                    enable_gqa=q.shape[1] != k.shape[1],
                 )
-            else:
-                context = self.local_attention(q, k, v, dropout_p, band)
+            return self.local_attention(q, k, v, dropout_p, band)
+
+        if dropout_p > 0 and self.per_head_dropout:
+            context = per_head_attention(attend, q, k, v, f"layers.{self.layer}.attention", self.total_heads,
+                                         self.first_head)
+        else:
+            # Heads are tp shards, so Megatron's dropout draws their masks from the per-tp-rank stream.
+            with get_rng_tracker().fork() if dropout_p > 0 else nullcontext():
+                context = attend(q, k, v)
         return self.merge_heads(context)
 
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
@@ -232,7 +234,7 @@ class SelfAttention(nn.Module):
         """The attention core written out: q ``[b, np, s, hd]``, k, v ``[b, ng, s, hd]`` -> ``[b, np, s, hd]``;
         ``band``: bool ``[s, s]`` or ``[b, 1, s, s]`` (True = attend, see ``dense_mask``), None for plain causal or
         bidirectional."""
-        repeat = self.heads_per_rank // self.groups_per_rank
+        repeat = q.shape[1] // k.shape[1]
         if repeat > 1:  # each key/value head serves the `repeat` consecutive query heads of its group
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         scale = 1.0 / math.sqrt(self.head_dim)
@@ -334,7 +336,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.sequence_parallel = sequence_parallel
-        self.hidden_dropout = config.hidden_dropout
+        self.residual_dropout = ActivationDropout(config, ps, sequence_parallel, f"layers.{layer}.hidden")
         self.ln1 = build_norm(config, sequence_parallel, dtype, ps.device)
         if config.multi_latent_attention:
             from megatron_like.model.multi_latent_attention import MultiLatentAttention  # it imports this module's kin
@@ -351,10 +353,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, ps, layer, seed, sequence_parallel, dtype)
 
     def dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0.0:
-            return x
-        with sharded_dropout_context(self.sequence_parallel):
-            return F.dropout(x, p=self.hidden_dropout, training=True)
+        return self.residual_dropout(x, self.training)
 
     def forward(self, x: torch.Tensor, inference_context=None, document_ids: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_like.config import ConfigError, ModelConfig
+from megatron_like.model.dropout import ActivationDropout
 from megatron_like.model.norms import build_norm
 from megatron_like.model.transformer import TransformerLayer, embeddings_to_layers, forward_layers
 from megatron_like.parallel_state import ParallelState
@@ -99,7 +100,7 @@ class ViTEmbedding(nn.Module):
         h, std, device = config.hidden_size, config.init_method_std, ps.device
         self.patch_size, self.dtype = vision.patch_size, dtype
         self.tp_group, self.sequence_parallel = ps.tp_group, sequence_parallel
-        self.dropout_p = config.hidden_dropout
+        self.dropout = ActivationDropout(config, ps, sequence_parallel, "embedding")
         patch_dim = vision.num_channels * vision.patch_size**2
         self.patch_weight = replicated_parameter((h, patch_dim), std, seed, "embedding.patch_weight", dtype, device)
         self.patch_bias = replicated_parameter((h,), 0.0, seed, "embedding.patch_bias", dtype, device)
@@ -117,7 +118,7 @@ class ViTEmbedding(nn.Module):
         x = F.linear(patches, self.patch_weight, self.patch_bias)  # (b, n, h)
         cls = self.class_token.expand(x.shape[0], 1, -1)  # (b, 1, h)
         x = torch.cat([cls, x], dim=1) + self.position_embeddings  # (b, s, h)
-        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout_p, self.training)
+        return embeddings_to_layers(x, self.tp_group, self.sequence_parallel, self.dropout, self.training)
 
 
 class ViTModel(nn.Module):

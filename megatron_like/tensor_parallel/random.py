@@ -3,9 +3,14 @@
 * Weight init: every weight is drawn whole from its own generator, seeded by the run seed and the
   weight's global name (``init_generator``), and each rank keeps its slice. So tp=N holds exact slices of
   the tp=1 model and a pipeline stage draws the same layers as the single-process model.
-* Dropout: the default generator is shared by the ranks of a tensor-parallel group (replicated
-  activations must drop the same elements); dropout on tensor-parallel shards (attention heads, or
-  sequence-parallel chunks) runs inside ``get_rng_tracker().fork()``, a per-tp-rank stream.
+* Dropout, ``--dropout-rng megatron`` (Megatron-LM's streams): the default generator is shared by the ranks of
+  a tensor-parallel group (replicated activations must drop the same elements) and offset per pipeline stage;
+  dropout on tensor-parallel shards (attention heads, or sequence-parallel chunks) runs inside
+  ``get_rng_tracker().fork()``, a per-tp-rank stream. The masks so depend on the layout.
+* Dropout, ``--dropout-rng layout-independent``: every dropout site (the embedding, each layer's hidden dropout,
+  each layer's attention) has its own CPU generator seeded by (--seed, the site's global name), which gives the
+  seed of each mask (``RNGStatesTracker.site_seeds``; per global head for attention). Every tp rank and pipeline
+  stage so draws, for its layers and heads, the masks one process draws (model/dropout.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Iterator
 import torch
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+SITE_PREFIX = "site:"
+"""Prefix of a dropout site's generator state among the tracker's states (checkpoints, recompute)."""
 
 
 def init_generator(seed: int, name: str) -> torch.Generator:
@@ -34,10 +41,13 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self.states: dict[str, torch.Tensor] = {}
         self.device_type = "cpu"
+        self.site_seed: int | None = None
+        self.sites: dict[str, torch.Generator] = {}
 
-    def reset(self, device_type: str = "cpu") -> None:
+    def reset(self, device_type: str = "cpu", site_seed: int | None = None) -> None:
         self.states = {}
         self.device_type = device_type
+        self.site_seed, self.sites = site_seed, {}
 
     def _get_state(self) -> torch.Tensor:
         return torch.cuda.get_rng_state() if self.device_type == "cuda" else torch.get_rng_state()
@@ -60,10 +70,41 @@ class RNGStatesTracker:
         self._set_state(saved)
 
     def get_states(self) -> dict[str, torch.Tensor]:
-        return {name: state.clone() for name, state in self.states.items()}
+        """The named device states and the dropout sites' generator states (``site:`` + the site's name)."""
+        sites = {SITE_PREFIX + name: generator.get_state() for name, generator in self.sites.items()}
+        return {**{name: state.clone() for name, state in self.states.items()}, **sites}
 
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {name: state.clone() for name, state in states.items()}
+        self.states = {name: state.clone() for name, state in states.items() if not name.startswith(SITE_PREFIX)}
+        self.sites = {}
+        for name, state in states.items():
+            if name.startswith(SITE_PREFIX):
+                self.sites[name[len(SITE_PREFIX):]] = torch.Generator().set_state(state.clone())
+
+    def site_seeds(self, site: str, count: int) -> list[int]:
+        """The next ``count`` mask seeds of dropout site ``site`` (a global name, e.g. ``layers.3.attention``).
+
+        Each site is a CPU generator seeded by (--seed, site), created at its first use: a stage that holds
+        layer 3 draws layer 3's seeds whatever else it holds, and no device synchronizes to read them.
+        """
+        if self.site_seed is None:
+            raise KeyError(f"dropout site {site!r}: the tracker was never seeded (call seed_everything first)")
+        if site not in self.sites:
+            self.sites[site] = init_generator(self.site_seed, "dropout." + site)
+        return torch.randint(0, 2**62, (count,), generator=self.sites[site]).tolist()
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int) -> Iterator[None]:
+        """Run the body with the device's default generator seeded by ``seed``; restore its state after."""
+        outside = self._get_state()
+        if self.device_type == "cuda":
+            torch.cuda.manual_seed(seed)  # this device's generator only
+        else:
+            torch.default_generator.manual_seed(seed)
+        try:
+            yield
+        finally:
+            self._set_state(outside)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -104,7 +145,7 @@ def seed_everything(seed: int, tp_rank: int, pp_rank: int, device_type: str = "c
     if device_type == "cuda":
         torch.cuda.manual_seed(default_seed)
     tracker = get_rng_tracker()
-    tracker.reset(device_type)
+    tracker.reset(device_type, site_seed=seed)  # dropout sites: the same on every rank (layout-independent)
     tracker.add(MODEL_PARALLEL_RNG, default_seed + 2718 + tp_rank)
 
 

@@ -43,9 +43,12 @@ def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: st
      (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch_dist"]),
      (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--ckpt-format", "torch"]),
      (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--ckpt-format", "torch"]),
-     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev", "--ckpt-format", "torch_dist"])],
+     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev", "--ckpt-format", "torch_dist"]),
+     # the dropout sites' generators (model/dropout.py) are saved and resumed with the tracker's streams
+     (2, ["--pipeline-model-parallel-size", "2", "--dropout-rng", "layout-independent", "--ckpt-format", "torch"])],
     ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "zero3-dp2", "tp2-pp2-torch_dist",
-         "zero2-dp2-offload-torch_dist", "pp2-zb-h1", "pp2-zb-v", "pp2-dualpipev-torch_dist"],
+         "zero2-dp2-offload-torch_dist", "pp2-zb-h1", "pp2-zb-v", "pp2-dualpipev-torch_dist",
+         "pp2-layout-independent-dropout"],
 )
 def test_resume_gives_bitwise_equal_losses(world_size, layout):
     with tempfile.TemporaryDirectory() as root:

@@ -79,8 +79,8 @@ def parallel_bundle(rank: int, world_size: int, data: dict[str, str]) -> dict:
     return {
         "vit-tp2-pp2": vit_run([TP, "2", PP, "2"], world_size),
         "vit-tp2-sp-dp2": vit_run([TP, "2", SP], world_size),
-        "vit-tp2-pp2-dropout": vit_run([TP, "2", PP, "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
-                                       world_size),
+        "vit-tp2-pp2-dropout": vit_run([TP, "2", PP, "2", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                                        "--dropout-rng", "megatron"], world_size),
         "cls-pp2-dp2-zero1": classification_run(
             classification_flags(data) + [PP, "2", "--use-distributed-optimizer", "--train-iters", "4", "--lr",
                                           "2.5e-4", "--scale-lr-by-world-size"], world_size),
@@ -132,7 +132,9 @@ def vit_reference() -> dict:
 
 
 def test_vit_tp_ranks_keep_one_model_with_dropout(parallel):
-    """Dropout on: no layout equals one process (head shards draw their masks per tp rank), but every replicated
+    """Dropout on, Megatron's streams (``--dropout-rng megatron``; pretrain_vit.py's default, layout-independent, is
+    proved equal to one process in tests/e2e/test_cli_dropout_layouts.py): no layout equals one process (head
+    shards draw their masks per tp rank), but every replicated
     parameter (class token, positions, patch projection, LayerNorms, row-parallel biases, head) must stay bitwise
     the same on the tp ranks of a stage. Replicated activations drop the same elements on each tp rank (the
     default generator, shared by the tp group); a hidden-dropout mask drawn per tp rank would feed the ranks
