@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.subprocesses import run_at_once
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 SOURCES = sorted(CUDA_DIR.glob("*.cu"))
@@ -50,16 +52,9 @@ def builds(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Pat
     """Both nvcc builds of the tests below, started at once (one core each, ~4 s and ~10 s of CPU, nothing
     shared): ``{name: (the finished process, its output directory)}``."""
     out_dirs = {name: tmp_path_factory.mktemp(name) for name in ("kernels", "glue")}
-    commands = {"kernels": kernels_command(out_dirs["kernels"]), "glue": glue_command(out_dirs["glue"])}
-    processes = {name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, command in commands.items()}
-    try:
-        outputs = {name: p.communicate(timeout=300) for name, p in processes.items()}
-        return {name: (subprocess.CompletedProcess(p.args, p.returncode, *outputs[name]), out_dirs[name])
-                for name, p in processes.items()}
-    finally:
-        for p in processes.values():
-            p.kill()  # nothing once it exited; a build still running when the other's wait failed
+    done = run_at_once({"kernels": {"args": kernels_command(out_dirs["kernels"])},
+                        "glue": {"args": glue_command(out_dirs["glue"])}})
+    return {name: (result, out_dirs[name]) for name, result in done.items()}
 
 
 def test_expected_cuda_sources_exist():
