@@ -59,7 +59,8 @@ ISSUE_FLAGS = [
 def in_process_run(flags: list[str]) -> dict:
     """``train_gpt``'s result for the one-process run of ``flags``, trained in this process: the code and
     flags ``torchrun --nproc_per_node 1`` would run, without starting a launcher and a worker (~10 s each).
-    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change."""
+    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change, but for
+    ``--no-log-memory``: the log's memory figure (on in the CLI runs compared with this one) changes no number."""
     from tests.distributed.gpt_runs import train_gpt
 
     return train_gpt(0, 1, flags + ["--make-vocab-size-divisible-by", "128", "--adam-eps", "1e-8"])
