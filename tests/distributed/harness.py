@@ -94,12 +94,10 @@ def start_distributed(fn: Callable, world_size: int, *args: Any, **kwargs: Any) 
     return processes, results
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
-
-    Ranks see the environment of the first call (the fork server's): set variables before the suite starts.
-    """
-    processes, results = start_distributed(fn, world_size, *args, **kwargs)
+def collect_distributed(processes: list[Any], results: Any, timeout: float = 300.0) -> list[Any]:
+    """Wait for the ranks ``start_distributed`` started; return their results in rank order (raise on the first
+    failure or when one does not finish within ``timeout`` s). The processes are joined or terminated either way."""
+    world_size = len(processes)
     collected: dict[int, Any] = {}
     try:
         while len(collected) < world_size:
@@ -117,3 +115,24 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             if p.is_alive():
                 p.terminate()
     return [collected[r] for r in range(world_size)]
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes; return their results.
+
+    Ranks see the environment of the first call (the fork server's): set variables before the suite starts.
+    """
+    return collect_distributed(*start_distributed(fn, world_size, *args, **kwargs), timeout=timeout)
+
+
+def run_distributed_together(calls: list[tuple], timeout: float = 300.0) -> list[list[Any]]:
+    """``[run_distributed(fn, world_size, *args) for fn, world_size, *args in calls]``, every group started at once
+    (each with its own port): for runs that mostly wait (a sleep, a timeout), whose waits then overlap."""
+    started = [start_distributed(fn, world_size, *args) for fn, world_size, *args in calls]
+    try:
+        return [collect_distributed(*group, timeout=timeout) for group in started]
+    finally:
+        for processes, _ in started:  # a group left behind by another's failure
+            for p in processes:
+                if p.is_alive():
+                    p.terminate()

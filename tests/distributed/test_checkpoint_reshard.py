@@ -3,8 +3,9 @@
 It keeps the model: a torch checkpoint of tp2 x pp2 converted to torch_dist and from there to a torch one
 of tp4 gives the same logits on a fixed input (each layout built by the trainer's code and loaded by the
 trainer's ``load_checkpoint``). It keeps the optimizer: ZeRO-2 over dp 2 (fp32, bf16, CPU offload) moved to
-tp 2 x dp 1 resumes like the straight run. The tool's passes run here on the harness's ranks (the tool
-runs the same ``convert`` under torchrun; its command line is tested in tests/unit/test_sharded_state.py).
+tp 2 x dp 1 resumes like the straight run (the three in one process group). The tool's passes run here on the
+harness's ranks (the tool runs the same ``convert`` under torchrun; its command line is tested in
+tests/unit/test_sharded_state.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -107,24 +109,41 @@ def zero_reshard_and_resume(rank: int, world_size: int, root: str, source_flags:
     return {"straight": straight["losses"], "resumed": resumed["losses"]}
 
 
-def test_reshard_zero2_dp2_optimizer_state_to_tp2_resumes_like_the_straight_run(tmp_path):
+SOURCES = {"fp32": [], "bf16": ["--bf16"], "offload": ["--optimizer-cpu-offload"]}
+"""The ZeRO-2 x dp 2 runs resharded to tp 2 by the tests below, by name: their extra flags."""
+
+
+def zero_reshards_and_resumes(rank: int, world_size: int, root: str) -> dict[str, dict]:
+    out = {}
+    for name, flags in SOURCES.items():
+        os.makedirs(os.path.join(root, name), exist_ok=True)
+        out[name] = zero_reshard_and_resume(rank, world_size, os.path.join(root, name), flags)
+    return out
+
+
+@functools.cache
+def zero_runs() -> dict[str, list[dict]]:
+    """Every source of ``SOURCES`` saved, resharded and resumed in one group of 2 processes: each rank's losses."""
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(zero_reshards_and_resumes, 2, root, timeout=600)
+    return {name: [r[name] for r in results] for name in SOURCES}
+
+
+def test_reshard_zero2_dp2_optimizer_state_to_tp2_resumes_like_the_straight_run():
     """The Adam moments of both ZeRO-2 shards are merged and re-cut for tp 2 x dp 1: the resumed run's
     losses follow the straight ZeRO-2 run (float tolerance: tp reduces in another order)."""
-    results = run_distributed(zero_reshard_and_resume, 2, str(tmp_path), [])
-    for r in results:
+    for r in zero_runs()["fp32"]:
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"][4:]), rtol=1e-5, atol=1e-5)
 
 
-def test_reshard_zero2_dp2_bf16_masters_to_tp2_resumes_like_the_straight_run(tmp_path):
+def test_reshard_zero2_dp2_bf16_masters_to_tp2_resumes_like_the_straight_run():
     """bf16 params: the fp32 master shards are carried too. bf16 rounding differs between layouts (seen: 2e-4
     in the loss); dropping the optimizer state instead moves the losses by 5e-2."""
-    results = run_distributed(zero_reshard_and_resume, 2, str(tmp_path), ["--bf16"])
-    for r in results:
+    for r in zero_runs()["bf16"]:
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"][4:]), rtol=0, atol=1e-3)
 
 
-def test_reshard_cpu_offload_optimizer_to_tp2_resumes_like_the_straight_run(tmp_path):
+def test_reshard_cpu_offload_optimizer_to_tp2_resumes_like_the_straight_run():
     """ZeRO-2 with the optimizer offloaded to the CPU (CPUAdam's moments and step) reshards like any other."""
-    results = run_distributed(zero_reshard_and_resume, 2, str(tmp_path), ["--optimizer-cpu-offload"])
-    for r in results:
+    for r in zero_runs()["offload"]:
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"][4:]), rtol=1e-5, atol=1e-5)

@@ -5,11 +5,13 @@ and ZeRO-2 over dp2 (every dp rank saves its own
 optimizer shard and RNG states), also with the optimizer offloaded to the CPU (CPUAdam's moments and step counts),
 and ZeRO-3 over dp2 (the model is built deferred and drawn into the shards, then the checkpoint is loaded into the
 gathered units); in the torch format and in torch_dist (global tensors through torch.distributed.checkpoint,
-test_dist_checkpoint.py).
+test_dist_checkpoint.py). Every layout of one world size runs in one process group, the straight run once for both
+formats.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -24,37 +26,57 @@ RESUME_FLAGS = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--lr-d
                 "--lr-warmup-iters", "2", "--lr-decay-style", "cosine"]
 
 
-def straight_and_resumed(rank: int, world_size: int, layout: list[str], root: str) -> dict:
-    flags = RESUME_FLAGS + layout
-    straight = train_gpt(rank, world_size, flags + ["--train-iters", "8"])
-    first = train_gpt(rank, world_size, flags + ["--train-iters", "4", "--save", root])
-    resumed = train_gpt(rank, world_size, flags + ["--train-iters", "8", "--load", root])
-    return {"straight": straight["losses"], "first": first["losses"], "resumed": resumed["losses"],
-            "has_loss": bool(straight["losses"])}
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+ZERO2_OFFLOAD = ["--zero-stage", "2", "--optimizer-cpu-offload"]
+LAYOUTS = {  # name: (world size, layout, checkpoint format)
+    "tp2-pp2": (4, TP2_PP2, "torch"),
+    "zero2-dp2": (2, ["--zero-stage", "2"], "torch"),
+    "zero2-dp2-offload": (2, ZERO2_OFFLOAD, "torch"),
+    "zero3-dp2": (2, ["--zero-stage", "3"], "torch"),
+    "tp2-pp2-torch_dist": (4, TP2_PP2, "torch_dist"),
+    "zero2-dp2-offload-torch_dist": (2, ZERO2_OFFLOAD, "torch_dist"),
+    "pp2-zb-h1": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], "torch"),
+    "pp2-zb-v": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"], "torch"),
+    "pp2-dualpipev-torch_dist": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"],
+                                 "torch_dist"),
+    # the dropout sites' generators (model/dropout.py) are saved and resumed with the tracker's streams
+    "pp2-layout-independent-dropout": (2, ["--pipeline-model-parallel-size", "2", "--dropout-rng",
+                                           "layout-independent"], "torch"),
+}
 
 
-@pytest.mark.parametrize(
-    "world_size,layout",
-    [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch"]),
-     (2, ["--zero-stage", "2", "--ckpt-format", "torch"]),
-     (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch"]),
-     (2, ["--zero-stage", "3", "--ckpt-format", "torch"]),
-     (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]),
-     (2, ["--zero-stage", "2", "--optimizer-cpu-offload", "--ckpt-format", "torch_dist"]),
-     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--ckpt-format", "torch"]),
-     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v", "--ckpt-format", "torch"]),
-     (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev", "--ckpt-format", "torch_dist"]),
-     # the dropout sites' generators (model/dropout.py) are saved and resumed with the tracker's streams
-     (2, ["--pipeline-model-parallel-size", "2", "--dropout-rng", "layout-independent", "--ckpt-format", "torch"])],
-    ids=["tp2-pp2", "zero2-dp2", "zero2-dp2-offload", "zero3-dp2", "tp2-pp2-torch_dist",
-         "zero2-dp2-offload-torch_dist", "pp2-zb-h1", "pp2-zb-v", "pp2-dualpipev-torch_dist",
-         "pp2-layout-independent-dropout"],
-)
-def test_resume_gives_bitwise_equal_losses(world_size, layout):
+def straight_and_resumed(rank: int, world_size: int, cases: dict[str, tuple[list[str], str]], root: str) -> dict:
+    """For each case ``{name: (layout, format)}``: the losses of 8 straight steps, of 4 steps that save and of the
+    4 more that load them; the straight run (which saves nothing) once per layout."""
+    out, straight = {}, {}
+    for name, (layout, fmt) in cases.items():
+        flags = RESUME_FLAGS + layout + ["--ckpt-format", fmt]
+        if tuple(layout) not in straight:
+            straight[tuple(layout)] = train_gpt(rank, world_size, flags + ["--train-iters", "8"])["losses"]
+        save = os.path.join(root, name)
+        first = train_gpt(rank, world_size, flags + ["--train-iters", "4", "--save", save])
+        resumed = train_gpt(rank, world_size, flags + ["--train-iters", "8", "--load", save])
+        out[name] = {"straight": straight[tuple(layout)], "first": first["losses"], "resumed": resumed["losses"],
+                     "saved": os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))}
+    return out
+
+
+@functools.cache
+def resume_runs(world_size: int) -> dict[str, list[dict]]:
+    """Every layout of ``world_size`` processes in one process group: ``{name: [each rank's result]}``."""
+    cases = {name: (layout, fmt) for name, (size, layout, fmt) in LAYOUTS.items() if size == world_size}
     with tempfile.TemporaryDirectory() as root:
-        results = run_distributed(straight_and_resumed, world_size, layout, root)
-        assert os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
-    for r in (r for r in results if r["has_loss"]):
+        results = run_distributed(straight_and_resumed, world_size, cases, root, timeout=600)
+    return {name: [r[name] for r in results] for name in cases}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_gives_bitwise_equal_losses(name):
+    results = resume_runs(LAYOUTS[name][0])[name]
+    assert all(r["saved"] for r in results)
+    with_loss = [r for r in results if r["straight"]]
+    assert with_loss
+    for r in with_loss:
         assert len(r["straight"]) == 8 and len(r["first"]) == 4 and len(r["resumed"]) == 4
         assert r["first"] == r["straight"][:4]
         assert r["resumed"] == r["straight"][4:], "resumed run diverged from the straight run"

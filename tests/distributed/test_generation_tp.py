@@ -35,10 +35,11 @@ def run_all(ps: ParallelState, checkpoint: str) -> dict[str, list[list[list[int]
             for name, params in RUNS.items()}
 
 
-def parallel_worker(rank: int, world_size: int, tp: int, pp: int, checkpoint: str) -> dict:
+def parallel_worker(rank: int, world_size: int, tp: int, pp: int, checkpoints: list[str]) -> list[dict]:
+    """``run_all`` of each checkpoint in turn at tp x pp, in one process group (spawning costs more than a run)."""
     torch.set_num_threads(1)
     ps = ParallelState.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
-    return run_all(ps, checkpoint)
+    return [run_all(ps, checkpoint) for checkpoint in checkpoints]
 
 
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, group_query_attention=True,
@@ -98,13 +99,27 @@ def saved_mla(tmp_path_factory):
     return checkpoint_and_reference(str(tmp_path_factory.mktemp("gen_mla_ckpt")), "mla")
 
 
+TP2_FAMILIES = ["saved", "saved_llama", "saved_qwen3", "saved_mla"]
+
+
+@pytest.fixture(scope="module")
+def tp2_generations(request) -> dict[str, list[dict]]:
+    """Every family's checkpoint generated from at tp 2 in one process group: ``{fixture: each rank's runs}``."""
+    checkpoints = [request.getfixturevalue(fixture)[0] for fixture in TP2_FAMILIES]
+    per_rank = run_distributed(parallel_worker, 2, 2, 1, checkpoints, timeout=240)
+    return {fixture: [rank_results[i] for rank_results in per_rank] for i, fixture in enumerate(TP2_FAMILIES)}
+
+
 @pytest.mark.parametrize("tp,pp,fixture",
                          [(2, 1, "saved"), (1, 2, "saved"), (2, 1, "saved_llama"), (2, 1, "saved_qwen3"),
                           (2, 1, "saved_mla")],
                          ids=["tp2", "pp2", "tp2-llama", "tp2-qwen3", "tp2-mla"])
 def test_parallel_generation_equals_single_process(request, tp, pp, fixture):
     checkpoint, reference = request.getfixturevalue(fixture)
-    results = run_distributed(parallel_worker, tp * pp, tp, pp, checkpoint, timeout=120)
+    if tp == 2:
+        results = request.getfixturevalue("tp2_generations")[fixture]
+    else:
+        results = [runs[0] for runs in run_distributed(parallel_worker, tp * pp, tp, pp, [checkpoint], timeout=120)]
     for rank_result in results:  # every rank holds the same answer, the single process's when seeded
         assert rank_result == results[0]
         assert {k: v for k, v in rank_result.items() if k != "unseeded"} == \

@@ -5,6 +5,7 @@
   runs: the torch format, torch_dist, torch_dist in the background (``--async-save``).
 * ``slow_save`` on every rank, 3 s longer than the hang watchdog's per-iteration limit: a synchronous save in the
   middle of the run and the final background write both complete (the watchdog would end the process, status 1).
+  The two run in two process groups at once: their ranks sleep through the slow saves, which then overlap.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 
 from megatron_like.training.checkpointing import CheckpointError, latest_iteration
 from tests.distributed.gpt_runs import train_gpt
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import run_distributed, run_distributed_together
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--global-batch-size", "4",
          "--save-interval", "2"]
@@ -45,19 +46,19 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once_with_one_line(tmp_p
         assert latest_iteration(str(tmp_path / name)) is None, f"{name}: the tracker names a failed save"
 
 
-def slow_saves(rank: int, world_size: int, root: str) -> dict[str, int | None]:
-    """A slow synchronous save mid-run and a slow final background write: the iteration each tracker names."""
-    named = {}
-    for name, way, fault in (("sync", [], "slow_save@2"), ("async", ["--async-save"], "slow_save@3")):
-        save = os.path.join(root, name)
-        # 0.1 minutes: the watchdog's per-iteration limit is 6 + 5 s; each slow save takes 14 s.
-        train_gpt(rank, world_size, SMALL + way + ["--train-iters", "3", "--save", save, "--inject-fault", fault,
-                                                   "--distributed-timeout-minutes", "0.1"])
-        named[name] = latest_iteration(save)
-    return named
+def slow_save(rank: int, world_size: int, save: str, way: list[str], fault: str) -> int | None:
+    """A run whose save hit by ``fault`` is slow: the iteration the tracker names at the end."""
+    # 0.1 minutes: the watchdog's per-iteration limit is 6 + 5 s; each slow save takes 14 s.
+    train_gpt(rank, world_size, SMALL + way + ["--train-iters", "3", "--save", save, "--inject-fault", fault,
+                                               "--distributed-timeout-minutes", "0.1"])
+    return latest_iteration(save)
 
 
 def test_a_save_longer_than_the_watchdog_limit_completes(tmp_path):
-    results = run_distributed(slow_saves, 2, str(tmp_path), timeout=240)
-    assert results == [{"sync": 3, "async": 3}] * 2
+    # A slow synchronous save mid-run and a slow final background write, in two process groups at once: each
+    # rank sleeps through its 14 s save, so the two waits overlap.
+    runs = {"sync": ([], "slow_save@2"), "async": (["--async-save"], "slow_save@3")}
+    results = run_distributed_together([(slow_save, 2, str(tmp_path / name), way, fault)
+                                        for name, (way, fault) in runs.items()], timeout=240)
+    assert dict(zip(runs, results)) == {"sync": [3, 3], "async": [3, 3]}
     assert (tmp_path / "sync" / "iter_0000002" / "common.pt").exists()  # the slow one, complete

@@ -2,8 +2,8 @@
 trained through pretrain(): losses, grad norms and updated weights equal the single-process run (fp32,
 the float32 tolerance of ``assert_same_training``). Also: per-rank state bytes follow ZeRO's table.
 
-Every configuration of one world size runs in one spawned process group (``train_gpt_many``): spawning
-costs more than a run of this model.
+Every configuration of one world size, and the memory runs, run in one spawned process group: spawning costs
+more than a run of this model.
 """
 
 from __future__ import annotations
@@ -76,12 +76,22 @@ def reference() -> dict:
     return merge_ranks([train_gpt(0, 1, [])])
 
 
+def cases_and_memory(rank: int, world_size: int, flag_lists: list[list[str]]) -> tuple[list[dict], list[dict]]:
+    """``train_gpt_many`` of the cases, then ``memory_worker``: every run of one world size in one process group."""
+    return train_gpt_many(rank, world_size, flag_lists), memory_worker(rank, world_size)
+
+
 @functools.cache
-def runs(world_size: int) -> dict[str, dict]:
-    """Every case of ``world_size`` processes, run in one process group; merged results by name."""
+def spawned(world_size: int) -> tuple[dict[str, dict], list[list[dict]]]:
+    """Every case of ``world_size`` processes (merged results by name) and each rank's ``memory_worker`` result."""
     names = list(CASES[world_size])
-    per_rank = run_distributed(train_gpt_many, world_size, [CASES[world_size][n] for n in names], timeout=600)
-    return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(names)}
+    per_rank = run_distributed(cases_and_memory, world_size, [CASES[world_size][n] for n in names], timeout=600)
+    merged = {name: merge_ranks([cases[i] for cases, _ in per_rank]) for i, name in enumerate(names)}
+    return merged, [memory for _, memory in per_rank]
+
+
+def runs(world_size: int) -> dict[str, dict]:
+    return spawned(world_size)[0]
 
 
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases])
@@ -134,8 +144,7 @@ def memory_worker(rank: int, world_size: int) -> list[dict]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_state_bytes_shrink_by_dp_as_zero_predicts(world_size: int) -> None:
-    results = run_distributed(memory_worker, world_size)
-    for rank_results in results:
+    for rank_results in spawned(world_size)[1]:
         phi = rank_results[0]["num_params"]
         for stage, r in enumerate(rank_results):
             for kind in ("params", "grads", "optimizer"):

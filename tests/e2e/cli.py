@@ -60,7 +60,8 @@ ISSUE_FLAGS = [
 def in_process_run(flags: list[str], on_chunk: Callable | None = None) -> dict:
     """``train_gpt``'s result for the one-process run of ``flags``, trained in this process: the code and
     flags ``torchrun --nproc_per_node 1`` would run, without starting a launcher and a worker (~10 s each).
-    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change;
+    The last two flags put back the command line's defaults that the harness's BASE_FLAGS change, but for
+    ``--no-log-memory``: the log's memory figure (on in the CLI runs compared with this one) changes no number.
     ``on_chunk(chunk, ps)`` runs on the model chunk once built (``train_gpt``'s, e.g. to attach hooks)."""
     from tests.distributed.gpt_runs import train_gpt
 

@@ -42,20 +42,37 @@ def compiled_kernels():
     return _loader.load("layer_norm")
 
 
-def run_sourced(env_var: str, value: str, code: str) -> subprocess.CompletedProcess:
-    """``bash -c 'source scripts/isa_env.sh && python -c code'`` with ``env_var=value``, nothing else forced."""
+def sourced(env_var: str, value: str, code: str) -> dict:
+    """``subprocess.run`` arguments of ``bash -c 'source scripts/isa_env.sh && python -c code'`` with
+    ``env_var=value``, nothing else forced."""
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
     env.update({env_var: value, "ONEDNN_VERBOSE": "1", "PYTHONPATH": str(ROOT)})
     command = f'source scripts/isa_env.sh && exec "{sys.executable}" -c "$0"'
-    return subprocess.run(["bash", "-c", command, code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return {"args": ["bash", "-c", command, code], "cwd": ROOT, "env": env}
 
 
-@pytest.mark.parametrize(("env_var", "isa"), [(_loader.ISA_ENV, "avx2"), (_loader.ISA_ENV_ALIAS, "scalar")])
-def test_forced_isa_reaches_our_kernels_aten_and_onednn(env_var, isa):
-    if _loader.ISAS.index(isa) > _loader.ISAS.index(compiled_kernels().best_isa()):
+def run_sourced(env_var: str, value: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(**sourced(env_var, value, code), capture_output=True, text=True, timeout=300)
+
+
+FORCED = [(_loader.ISA_ENV, "avx2"), (_loader.ISA_ENV_ALIAS, "scalar")]
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[str, subprocess.CompletedProcess]:
+    """The probe under each forced path this CPU has, every Python started at once (each imports torch)."""
+    from tests.subprocesses import run_at_once
+
+    best = _loader.ISAS.index(compiled_kernels().best_isa())
+    return run_at_once({isa: sourced(env_var, isa, PROBE) for env_var, isa in FORCED
+                        if _loader.ISAS.index(isa) <= best})
+
+
+@pytest.mark.parametrize(("env_var", "isa"), FORCED)
+def test_forced_isa_reaches_our_kernels_aten_and_onednn(probes, env_var, isa):
+    if isa not in probes:
         pytest.skip(f"this CPU has no {isa}")
-    done = run_sourced(env_var, isa, PROBE)
+    done = probes[isa]
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report == {"torch": TORCH_CAPABILITY[isa], "kernels": [isa]}

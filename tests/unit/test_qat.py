@@ -74,19 +74,31 @@ print("exact")
 """
 
 
-@pytest.mark.parametrize("onednn_isa", [None, "AVX2"])
-def test_int8_products_are_exact_on_any_cpu(onednn_isa):
-    """The int8 GEMM equals int64 arithmetic, also with oneDNN held to AVX2 (no VNNI), where torch._int_mm's
-    int16 pair sums saturate (it was off by 22261 on random codes); run in a subprocess so the ISA cap holds."""
+ONEDNN_CAPS = [None, "AVX2"]
+
+
+@pytest.fixture(scope="module")
+def exactness_checks() -> dict:
+    """``_EXACTNESS_CHECK`` in a fresh Python per oneDNN ISA cap (the cap holds from process start), all at once."""
     import os
-    import subprocess
     import sys
 
-    env = dict(os.environ)
-    if onednn_isa:
-        env["ONEDNN_MAX_CPU_ISA"] = onednn_isa
-    proc = subprocess.run([sys.executable, "-c", _EXACTNESS_CHECK], capture_output=True, text=True, env=env,
-                          timeout=120)
+    from tests.subprocesses import run_at_once
+
+    runs = {}
+    for cap in ONEDNN_CAPS:
+        env = dict(os.environ)
+        if cap:
+            env["ONEDNN_MAX_CPU_ISA"] = cap
+        runs[cap] = {"args": [sys.executable, "-c", _EXACTNESS_CHECK], "env": env}
+    return run_at_once(runs, timeout=120)
+
+
+@pytest.mark.parametrize("onednn_isa", ONEDNN_CAPS)
+def test_int8_products_are_exact_on_any_cpu(exactness_checks, onednn_isa):
+    """The int8 GEMM equals int64 arithmetic, also with oneDNN held to AVX2 (no VNNI), where torch._int_mm's
+    int16 pair sums saturate (it was off by 22261 on random codes); run in a subprocess so the ISA cap holds."""
+    proc = exactness_checks[onednn_isa]
     assert proc.returncode == 0 and proc.stdout.strip() == "exact", proc.stderr
 
 
