@@ -47,11 +47,13 @@ from megatron_like.config import ParallelConfig, parse_config  # noqa: E402
 from megatron_like.model import chunk_layers  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
 from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func  # noqa: E402
+from megatron_like.pipeline_parallel.comm_plan import communication_plan, in_order_plans, sent_after  # noqa: E402
 from megatron_like.pipeline_parallel.placement import ChunkPlacement  # noqa: E402
 from megatron_like.pipeline_parallel.trace import (  # noqa: E402
     TraceEvent,
     chrome_trace,
     idle_fractions,
+    input_source,
     simulate,
     theoretical_bubble,
 )
@@ -150,7 +152,7 @@ def build_gpt_chunks(ps: ParallelState, vp: int, args: argparse.Namespace, v_sha
 
 
 def schedule_bubble(name: str, p: int, v: int, m: int, times: dict[str, float]) -> float:
-    """The schedule's theoretical idle fraction with these measured step times (a chunk's, on the V)."""
+    """The schedule's closed-form idle fraction with these mean step times (a chunk's, on the V)."""
     if name == "zb-h1":
         return zb_h1_bubble(p, m, times["F"], times["B"], times["W"])
     if name == "zb-v":
@@ -160,6 +162,66 @@ def schedule_bubble(name: str, p: int, v: int, m: int, times: dict[str, float]) 
                           weight_time=times["W"], v_shape=True)
         return max(idle_fractions(events))
     return theoretical_bubble(p, v, m)
+
+
+def busy_times(events: list[TraceEvent]) -> list[float]:
+    """Each step's busy time on its rank: its span (compute and issuing its p2p batch) plus the executor's own time
+    since the previous step, i.e. the gap minus the time spent blocked on the step's input."""
+    busy, previous_end = [], None
+    for event in events:
+        overhead = 0.0 if previous_end is None else max(event.start - event.wait - previous_end, 0.0)
+        busy.append(event.end - event.start + overhead)
+        previous_end = event.end
+    return busy
+
+
+def message_latency(name: str, p: int, v: int, gathered: list[list[TraceEvent]],
+                    sends: list[list[int]]) -> float:
+    """Median seconds from a result's send (the hand-off of the step whose p2p batch carries it) to the end of the
+    receiver's wait, over the messages their receiver was already waiting for (the others show no latency)."""
+    placement = ChunkPlacement(p, v, name in V_SCHEDULES)
+    index = [{e.step: i for i, e in enumerate(events)} for events in gathered]
+    latencies = []
+    for rank, events in enumerate(gathered):
+        for event in events:
+            source = input_source(placement, rank, event.step)
+            if source is None or event.wait == 0.0 or source[0] == rank:
+                continue
+            sender = gathered[source[0]][sends[source[0]][index[source[0]][source[1]]]]
+            sent_at = sender.end - sender.comm
+            if event.start - event.wait <= sent_at:
+                latencies.append(event.start - sent_at)
+    return statistics.median(latencies) if latencies else 0.0
+
+
+def analyse(name: str, p: int, v: int, m: int, gathered: list[list[TraceEvent]]) -> dict:
+    """One iteration's measured bubble against the theory at its own step times (module docstring)."""
+    orders = [[e.step for e in events] for events in gathered]
+    v_shape = name in V_SCHEDULES
+    posts = in_order_plans(orders, p, v, v_shape=True) if v_shape else \
+        [communication_plan(order, p, rank, v) for rank, order in enumerate(orders)]
+    sends = [sent_after(len(order), rank_posts) for order, rank_posts in zip(orders, posts)]
+    busy = [busy_times(events) for events in gathered]
+    window = max(e.end for ev in gathered for e in ev) - min(e.start for ev in gathered for e in ev)
+    latency = message_latency(name, p, v, gathered, sends)
+
+    def simulated(latency: float) -> float:
+        return statistics.mean(idle_fractions(simulate(orders, v, sent_after=sends, v_shape=v_shape, durations=busy,
+                                                       latency=latency)))
+
+    steps = [e for ev in gathered for e in ev]
+    times = {kind: statistics.mean(e.end - e.start - e.comm for e in steps if e.kind == kind)
+             for kind in sorted({e.kind for e in steps}, key="FBW".index)}
+    return {
+        "measured": statistics.mean(1 - sum(b) / window for b in busy),
+        "theory": simulated(0.0),
+        "theory_latency": simulated(latency),
+        "formula": schedule_bubble(name, p, v, m, times),
+        "times": times,
+        "latency": latency,
+        "overhead": statistics.mean(b - (e.end - e.start) for bs, ev in zip(busy, gathered) for b, e in zip(bs, ev)),
+        "comm": statistics.mean(e.comm for e in steps),
+    }
 
 
 def free_port() -> int:
@@ -177,7 +239,7 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
     for name, vp, m in layouts:
         chunks, forward_step_func, data = build(ps, vp, args, name in V_SCHEDULES)
         schedule = get_forward_backward_func(ps.pp_size, vp, name)
-        measured, events = [], []  # (idle fraction per rank, window, comm per step, step times) per timed iteration
+        timed = []  # every rank's events, per timed iteration
         for iteration in range(args.warmup + args.iterations):
             trace = ScheduleTrace()
             dist.barrier()
@@ -186,20 +248,13 @@ def worker(rank: int, world_size: int, port: int, layouts: list[tuple[int, int]]
             gathered: list[list[TraceEvent]] = [None] * world_size  # type: ignore[list-item]
             dist.all_gather_object(gathered, trace.events)
             if iteration >= args.warmup:
-                window = max(e.end for ev in gathered for e in ev) - min(e.start for ev in gathered for e in ev)
-                steps = [e for ev in gathered for e in ev]
-                step_times = {kind: statistics.mean(e.end - e.start - e.comm for e in steps if e.kind == kind)
-                              for kind in {e.kind for e in steps}}
-                measured.append((idle_fractions(gathered), window, statistics.mean(e.comm for e in steps),
-                                 step_times, len(gathered[0])))
-                events = gathered
-        if rank == 0:
-            measured.sort(key=lambda iteration: statistics.mean(iteration[0]))
-            results.put((name, world_size, vp, m, *measured[len(measured) // 2]))
+                timed.append(gathered)
+        if rank == 0:  # analysed here: a queue item must stay small (a child flushes it before it can exit)
+            results.put((name, world_size, vp, m, [analyse(name, world_size, vp, m, gathered) for gathered in timed]))
             if args.trace_dir:
                 os.makedirs(args.trace_dir, exist_ok=True)
                 with open(os.path.join(args.trace_dir, f"{args.work}-{name}-p{world_size}-v{vp}-m{m}.json"), "w") as f:
-                    json.dump(chrome_trace(events), f)
+                    json.dump(chrome_trace(timed[-1]), f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -237,24 +292,22 @@ def main(argv: list[str] | None = None) -> None:
         rows += [results.get() for _ in layouts]
 
     sleep = f" ({args.forward_ms:g} ms forward per stage)" if args.work == "sleep" else ""
-    print(f"pipeline bubble, work={args.work}" + sleep
-          + f", {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores")
-    print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>14} | {'theory':>6} | {'measured':>8} "
-          f"{'min':>6} {'max':>6} | {'ratio':>5} | {'comm ms/step':>12} {'ratio if comm idle':>18} | "
-          f"{'excess ms/step':>14}")
-    for name, p, v, m, idle, window, comm, times, steps in rows:
-        # ZB-H1's bubble depends on the F, B and W times (measured here); 1F1B's and interleaved's do not.
-        theory = schedule_bubble(name, p, v, m, times)
-        mean = statistics.mean(idle)
-        # The window the measured busy time would need with exactly the theoretical bubble; the rest is
-        # overhead (communication, Python between steps, other processes), spread over a rank's steps.
-        ideal_window = window * (1 - mean) / (1 - theory)
-        excess_ms = (window - ideal_window) / steps * 1000
-        idle_with_comm = mean + comm * steps / window  # as if issuing p2p batches were idle time too
-        fbw = "/".join(f"{times[k] * 1000:.0f}" for k in "FBW" if k in times)
-        print(f"{name:>11} {p:>2} {v:>2} {m:>3} | {fbw:>14} | {theory:6.3f} | {mean:8.3f} {min(idle):6.3f} "
-              f"{max(idle):6.3f} | {mean / theory:5.2f} | {comm * 1000:12.2f} {idle_with_comm / theory:18.2f} | "
-              f"{excess_ms:14.2f}")
+    print(f"pipeline bubble, work={args.work}" + sleep + f", median of {args.iterations} iterations, "
+          f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores, "
+          f"load {os.getloadavg()[0]:.1f}")
+    print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>11} | {'formula':>7} | {'theory':>6} "
+          f"{'measured':>8} {'ratio':>5} | {'latency ms':>10} {'theory+lat':>10} {'ratio':>5} | "
+          f"{'overhead ms/step':>16} {'comm ms/step':>12}")
+    for name, p, v, m, analyses in rows:
+        # The iteration whose measured/theory ratio is the median (the ratio, not the bubble, is what is reported).
+        iterations = sorted(analyses, key=lambda a: a["measured"] / a["theory"])
+        a = iterations[len(iterations) // 2]
+        fbw = "/".join(f"{t * 1000:.0f}" for t in a["times"].values())
+        print(f"{name:>11} {p:>2} {v:>2} {m:>3} | {fbw:>11} | {a['formula']:7.3f} | {a['theory']:6.3f} "
+              f"{a['measured']:8.3f} {a['measured'] / a['theory']:5.2f} | {a['latency'] * 1000:10.2f} "
+              f"{a['theory_latency']:10.3f} {a['measured'] / a['theory_latency']:5.2f} | "
+              f"{a['overhead'] * 1000:16.2f} {a['comm'] * 1000:12.2f}")
+
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,16 @@ class Post(NamedTuple):
     receives: tuple[int, ...]
 
 
+def sent_after(num_steps: int, posts: Sequence[Post]) -> list[int]:
+    """For each of a rank's ``num_steps`` steps, the step after which ``posts`` send its result (its own index when
+    it sends nothing): ``trace.simulate``'s ``sent_after``."""
+    after = list(range(num_steps))
+    for post in posts:
+        for i in post.sends:
+            after[i] = post.after
+    return after
+
+
 def communication_plan(steps: Sequence[Step], pp_size: int, pp_rank: int, vp_size: int = 1,
                        v_shape: bool = False) -> list[Post]:
     """When each step of ``steps`` (the order of rank ``pp_rank``) sends its result and receives its input.

@@ -91,14 +91,20 @@ class ChunkPlacement(NamedTuple):
             peer = 1 if (kind == "F") != (self.v_shape and chunk == 1) else -1
         return Link(peer, ACTIVATION_TAG if kind == "F" else GRADIENT_TAG, other_chunk)
 
-    def input_link(self, pp_rank: int, kind: str, chunk: int) -> Link | None:
-        """Where the input of a ``kind`` step on this chunk comes from (the mirror of :meth:`result_link`):
-        a forward's from the previous stage, a backward's output gradient from the next one."""
+    def input_holder(self, pp_rank: int, kind: str, chunk: int) -> tuple[int, int] | None:
+        """The (rank, chunk) whose ``kind`` step makes the input of this rank's ``kind`` step on ``chunk``: the
+        previous stage for a forward, the next one for a backward; None at the ends and for W steps."""
         if kind == "W":
             return None
         stage = self.stage(pp_rank, chunk) + (-1 if kind == "F" else 1)
-        if not 0 <= stage < self.num_stages:
+        return self.holder(stage) if 0 <= stage < self.num_stages else None
+
+    def input_link(self, pp_rank: int, kind: str, chunk: int) -> Link | None:
+        """Where the input of a ``kind`` step on this chunk comes from (the mirror of :meth:`result_link`):
+        a forward's from the previous stage, a backward's output gradient from the next one."""
+        holder = self.input_holder(pp_rank, kind, chunk)
+        if holder is None:
             return None
-        other_rank, other_chunk = self.holder(stage)
+        other_rank, other_chunk = holder
         sent = self.result_link(other_rank, kind, other_chunk)
         return Link(-sent.peer, sent.tag, other_chunk)

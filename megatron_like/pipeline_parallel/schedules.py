@@ -249,9 +249,10 @@ def run_pipeline_steps(
         issue(plan[-1])
     with weight_grad.split_backward() if split else contextlib.nullcontext():
         for i, step in enumerate(steps):
+            waited_since = time.perf_counter() if trace is not None and i in receiving else None
             received = receiving.pop(i).wait() if i in receiving else handed.pop(step, None)
             key = (step.chunk, step.microbatch)
-            with _span(trace, ps.pp_rank, run, step) as timing:
+            with _span(trace, ps.pp_rank, run, step, waited_since) as timing:
                 result = None
                 if step.kind == "F":
                     if received is not None and not forward_only:
@@ -450,6 +451,6 @@ def get_forward_backward_func(pp_size: int, vp_size: int = 1,
     return forward_backward_pipelining_without_interleaving
 
 
-def _span(trace: ScheduleTrace | None, pp_rank: int, run: int,
-          step: Step) -> contextlib.AbstractContextManager[StepTiming]:
-    return trace.span(pp_rank, run, step) if trace is not None else contextlib.nullcontext(StepTiming())
+def _span(trace: ScheduleTrace | None, pp_rank: int, run: int, step: Step,
+          waited_since: float | None = None) -> contextlib.AbstractContextManager[StepTiming]:
+    return trace.span(pp_rank, run, step, waited_since) if trace is not None else contextlib.nullcontext(StepTiming())

@@ -50,6 +50,9 @@ class TraceEvent:
     comm: float = 0.0
     """Seconds at the end of [start, end] spent issuing the p2p batch that follows the step (the rest is
     compute: the step's result left at ``end - comm``)."""
+    wait: float = 0.0
+    """Seconds just before ``start`` the rank spent blocked on the step's input (its receive); the rest of the gap
+    since the rank's previous step is the executor's own time between steps."""
 
     @property
     def step(self) -> Step:
@@ -76,12 +79,14 @@ class ScheduleTrace:
         return self.runs - 1
 
     @contextlib.contextmanager
-    def span(self, pp_rank: int, run: int, step: Step) -> Iterator[StepTiming]:
+    def span(self, pp_rank: int, run: int, step: Step, waited_since: float | None = None) -> Iterator[StepTiming]:
+        """Record the step run inside the block; ``waited_since``: when the rank began to wait for its input."""
         start, timing = time.perf_counter(), StepTiming()
         yield timing
         end = time.perf_counter()
         comm = 0.0 if timing.handoff is None else end - timing.handoff
-        self.events.append(TraceEvent(pp_rank, run, step.kind, step.chunk, step.microbatch, start, end, comm))
+        wait = 0.0 if waited_since is None else start - waited_since
+        self.events.append(TraceEvent(pp_rank, run, step.kind, step.chunk, step.microbatch, start, end, comm, wait))
 
     def of_run(self, run: int) -> list[TraceEvent]:
         return [e for e in self.events if e.run == run]
@@ -157,10 +162,21 @@ def idle_fractions(events_per_rank: Sequence[Sequence[TraceEvent]]) -> list[floa
     return [1.0 - sum(e.end - e.start for e in events) / window for events in events_per_rank]
 
 
+def input_source(placement: ChunkPlacement, pp_rank: int, step: Step) -> tuple[int, Step] | None:
+    """The (rank, step) whose result ``step`` of rank ``pp_rank`` takes as input: a forward's is the same micro
+    batch's forward on the previous virtual stage, a B's the backward on the next one; None for the first stage's
+    forwards, the last stage's backwards and W steps."""
+    holder = placement.input_holder(pp_rank, step.kind, step.chunk)
+    return None if holder is None else (holder[0], Step(step.kind, holder[1], step.microbatch))
+
+
 def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: float = 1.0,
              backward_time: float = 2.0, sent_after: Sequence[Sequence[int]] | None = None,
-             weight_time: float = 1.0, v_shape: bool = False) -> list[list[TraceEvent]]:
-    """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages.
+             weight_time: float = 1.0, v_shape: bool = False, durations: Sequence[Sequence[float]] | None = None,
+             latency: float = 0.0) -> list[list[TraceEvent]]:
+    """Replay per-rank step orders (``orders[pp_rank]``) with fixed step durations and instant messages, or with
+    ``durations[pp_rank][i]`` for step ``i`` of a rank (e.g. each step's time measured in a run) and messages that
+    take ``latency`` to arrive.
 
     A forward waits for the same micro batch's forward on the previous virtual stage, a backward runs after
     its own forward and waits for the backward on the next stage (stages placed on the ring, or on the V
@@ -179,12 +195,8 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
     placement = ChunkPlacement(pp, num_chunks, v_shape)
 
     def dependencies(rank: int, step: Step) -> list[tuple[int, Step]]:
-        kind, c, mb = step
-        stage = placement.stage(rank, c) + (-1 if kind == "F" else 1)
-        if not 0 <= stage < placement.num_stages:
-            return []
-        other_rank, other_chunk = placement.holder(stage)
-        return [(other_rank, Step(kind, other_chunk, mb))]
+        source = input_source(placement, rank, step)
+        return [] if source is None else [source]
 
     progressed = True
     while progressed:
@@ -197,9 +209,11 @@ def simulate(orders: Sequence[Sequence[Step]], num_chunks: int, forward_time: fl
                 own_earlier_ran = before is None or Step(before, step.chunk, step.microbatch) in ran[rank]
                 if any(d not in done for d in needed) or not own_earlier_ran:
                     break
-                start = max([clock[rank]] + [done[d] for d in needed])
-                end = start + {"F": forward_time, "B": backward_time, "W": weight_time}[step.kind]
-                index, clock[rank] = position[rank], end
+                start = max([clock[rank]] + [done[d] + latency for d in needed])
+                index = position[rank]
+                end = start + (durations[rank][index] if durations is not None
+                               else {"F": forward_time, "B": backward_time, "W": weight_time}[step.kind])
+                clock[rank] = end
                 held[rank].setdefault(sent_after[rank][index] if sent_after else index, []).append(step)
                 for sent in held[rank].pop(index, []):
                     done[(rank, sent)] = end

@@ -94,6 +94,14 @@ import math
 from dataclasses import dataclass
 
 from megatron_like.config import Config
+from megatron_like.planning.split_backward import (
+    SPLIT_BACKWARD_SCHEDULES,
+    Stash,
+    embedding_stash,
+    held_at_peak,
+    layer_stash,
+    schedule_order,
+)
 
 
 @dataclass
@@ -110,10 +118,14 @@ class ActivationBytes:
     transient: float
     """The larger of the last stage's logits and cross entropy buffers (one micro batch, freed before the
     layers' backward) and the backward workspace (a recomputed attention core or layer group)."""
+    awaiting_w: float = 0.0
+    """Under a zero-bubble schedule, the W stashes (deferred GEMMs' inputs and output gradients) of the micro
+    batches whose W waits at the peak; under these and 1F1B (pipelined), the output gradients of the layer whose
+    backward runs at the peak (``split_backward.py``)."""
 
     @property
     def total(self) -> float:
-        return self.per_layer * self.layers_alive + self.stage_extra + self.transient
+        return self.per_layer * self.layers_alive + self.stage_extra + self.transient + self.awaiting_w
 
 
 def element_bytes(config: Config) -> int:
@@ -329,15 +341,52 @@ def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, devic
         workspace = layer_activation_bytes(config, None, device) - full_layer  # one re-run attention core
     else:
         per_layer, workspace = full_layer, 0.0
-    embedding = 0.0
-    if pp_rank == 0:
-        embedding = (e + (1 if m.hidden_dropout > 0 else 0)) * s * b * h / sp_div * alive
-    logits, mtp_layers = 0.0, 0.0
-    if pp_rank == pp - 1:
-        depths = m.mtp_num_layers or 0
-        # Multi-token prediction: each depth is one more layer of the last chunk, kept like the others, plus its
-        # two norm inputs and its projection's (gathered) 2h input; every depth's logits are alive at once.
-        mtp_layers = alive * depths
-        embedding += alive * depths * (2 * e / sp_div + 2 * e) * s * b * h
-        logits = (1 + depths) * (e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp)
-    return ActivationBytes(per_layer, alive * stage_layers + mtp_layers, embedding, max(logits, workspace))
+    embedding_per_microbatch = (e + (1 if m.hidden_dropout > 0 else 0)) * s * b * h / sp_div
+    holds_loss = pp_rank == (0 if p.v_shape else pp - 1)  # the V's last stage is rank 0's second chunk
+    depths = (m.mtp_num_layers or 0) if holds_loss else 0
+    # Multi-token prediction: each depth is one more layer of the last chunk, kept like the others, plus its
+    # two norm inputs and its projection's (gathered) 2h input; every depth's logits are alive at once.
+    mtp_per_microbatch = depths * (2 * e / sp_div + 2 * e) * s * b * h
+    logits = (1 + depths) * (e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp) if holds_loss else 0.0
+    if pp > 1 and (p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES or config.virtual_pipeline_size == 1):
+        # What the loss keeps from its F to its B: the output layer's input and the cross entropy's fp32 exp.
+        kept_by_loss = (1 + depths) * (e * s * b * h / sp_div + 4 * s * b * padded_vocab_size / tp) if holds_loss \
+            else 0.0
+        return _activation_bytes_by_order(config, pp_rank, per_layer, embedding_per_microbatch, depths,
+                                          mtp_per_microbatch, kept_by_loss, workspace)
+    embedding = embedding_per_microbatch * alive if pp_rank == 0 else 0.0
+    return ActivationBytes(per_layer, alive * (stage_layers + depths), embedding + alive * mtp_per_microbatch,
+                           max(logits, workspace))
+
+
+def _activation_bytes_by_order(config: Config, pp_rank: int, per_layer: float, embedding_per_microbatch: float,
+                               depths: int, mtp_per_microbatch: float, kept_by_loss: float,
+                               workspace: float) -> ActivationBytes:
+    """``activation_bytes`` under 1F1B or a zero-bubble schedule: whole activations and W stashes counted at the
+    peak of the rank's own order (``split_backward.py``), a running B step adding one layer's output gradients.
+    What the loss keeps counts with the loss chunk's micro batch (one at most: its F and B are adjacent in these
+    orders)."""
+    from megatron_like.pipeline_parallel.placement import ChunkPlacement
+
+    pp, vp = config.parallel.pipeline_model_parallel_size, config.virtual_pipeline_size
+    placement = ChunkPlacement(pp, vp, config.parallel.v_shape)
+    chunk_layers = config.model.num_layers // (pp * vp)
+    first = [placement.is_first(pp_rank, c) for c in range(vp)]
+    last = [placement.is_last(pp_rank, c) for c in range(vp)]
+    per_layer_stash, first_stage_stash = layer_stash(config), embedding_stash(config)
+    backward_peak = per_layer_stash.output_grads  # 1F1B's backward makes (and frees) the same output gradients
+    if config.parallel.pipeline_schedule not in SPLIT_BACKWARD_SCHEDULES:
+        per_layer_stash = first_stage_stash = Stash(0.0, 0.0)
+    whole = [per_layer * (chunk_layers + depths * last[c]) + embedding_per_microbatch * first[c]
+             + (mtp_per_microbatch + kept_by_loss) * last[c] for c in range(vp)]
+    stash = [Stash(per_layer_stash.inputs * chunk_layers + first_stage_stash.inputs * first[c],
+                   per_layer_stash.output_grads * chunk_layers + first_stage_stash.output_grads * first[c])
+             for c in range(vp)]
+    held = held_at_peak(schedule_order(config, pp_rank), whole, stash, backward_peak)
+    layers_alive = sum(n * (chunk_layers + depths * last[c]) for c, n in enumerate(held.whole))
+    extra = sum(n * (embedding_per_microbatch * first[c] + (mtp_per_microbatch + kept_by_loss) * last[c])
+                for c, n in enumerate(held.whole))
+    waiting = sum(n * stash[c].total for c, n in enumerate(held.waiting))
+    if held.in_backward is not None:
+        waiting += backward_peak
+    return ActivationBytes(per_layer, layers_alive, extra, workspace, waiting)

@@ -28,6 +28,7 @@ from megatron_like.pipeline_parallel import (
     zb_h1_steps,
 )
 from megatron_like.pipeline_parallel.comm_plan import Post
+from megatron_like.pipeline_parallel.comm_plan import sent_after as plan_sent_after
 from megatron_like.pipeline_parallel.trace import (
     chrome_trace,
     idle_fractions,
@@ -126,14 +127,8 @@ def plans(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | 
 
 def sent_after(pp: int, vp: int, m: int, forward_only: bool = False, schedule: str | None = None) -> list[list[int]]:
     """Per rank, for each step, the step after which the communication plan sends its result."""
-    result = []
-    for steps, posts in zip(orders(pp, vp, m, forward_only, schedule), plans(pp, vp, m, forward_only, schedule)):
-        after = list(range(len(steps)))
-        for post in posts:
-            for i in post.sends:
-                after[i] = post.after
-        result.append(after)
-    return result
+    rank_orders, rank_plans = orders(pp, vp, m, forward_only, schedule), plans(pp, vp, m, forward_only, schedule)
+    return [plan_sent_after(len(steps), posts) for steps, posts in zip(rank_orders, rank_plans)]
 
 
 @pytest.mark.parametrize("pp,vp,m", LAYOUTS)

@@ -131,60 +131,6 @@ def test_traced_order_is_the_schedules(name: str, steps_of, chunks: int) -> None
         assert len(result["closures_per_w"]) == 3 * 4 * chunks  # one W per micro batch, chunk and step
 
 
-def peak_bytes_per_schedule(rank: int, world_size: int) -> dict[str, int]:
-    """Peak bytes of tensors alive during one training schedule call (after a warmup call) under 1F1B and ZB-H1
-    on this pipeline rank of a GPT whose activations dominate (benchmarks/pipeline_bubble.py's chunks), and the
-    most bytes one W step kept from its B."""
-    import sys
-    from types import SimpleNamespace
-
-    import torch
-
-    from megatron_like.config import ParallelConfig
-    from megatron_like.parallel_state import ParallelState
-    from megatron_like.pipeline_parallel import get_forward_backward_func
-    from megatron_like.tensor_parallel import weight_grad
-    from tests.peak_memory import peak_live_bytes
-
-    sys.path.insert(0, "benchmarks")
-    import pipeline_bubble
-
-    ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size), world_size)
-    args = SimpleNamespace(gpt_layers=4, hidden_size=64, seq_length=128, micro_batch_size=4)
-    chunks, forward_step, batches = pipeline_bubble.build_gpt_chunks(ps, 1, args)
-    kept, original = [0], weight_grad.WeightGradWork.run
-
-    def recording_run(work: weight_grad.WeightGradWork) -> None:
-        kept[0] = max(kept[0], work.kept_bytes)
-        original(work)
-
-    weight_grad.WeightGradWork.run = recording_run
-    peaks = {}
-    for schedule in ("1f1b", "zb-h1"):
-        run = get_forward_backward_func(world_size, 1, schedule)
-
-        def step() -> None:
-            run(forward_step, batches, chunks, 4, seq_length=128, micro_batch_size=4)
-            for chunk in chunks:
-                chunk.zero_grad(set_to_none=True)
-
-        step()
-        peaks[schedule] = peak_live_bytes(step)[0]
-    weight_grad.WeightGradWork.run = original
-    torch.distributed.barrier()
-    return {**peaks, "kept_per_w": kept[0], "pp_rank": ps.pp_rank}
-
-
-def test_zb_h1_peak_memory_is_1f1bs_plus_the_waiting_w_inputs() -> None:
-    """Measured peak of live tensors per stage against ZB-H1's bound: rank r holds 1F1B's activations plus the
-    GEMM inputs and output gradients of the r micro batches whose W waits. Rank 0 (no W waits there at its peak)
-    equals its 1F1B peak; each stage is within 10% of its bound."""
-    for result in run_distributed(peak_bytes_per_schedule, 2, timeout=600):
-        bound = result["1f1b"] + result["pp_rank"] * result["kept_per_w"]
-        assert result["kept_per_w"] > 0
-        assert result["zb-h1"] == pytest.approx(bound, rel=0.1), result
-
-
 def v_peak_bytes(rank: int, world_size: int) -> dict[str, int]:
     """Peak bytes of tensors alive during one schedule call on this rank's two V chunks of a GPT whose activations
     dominate: ZB-V with 4 and 8 micro batches, and the V's all-forwards-first order (GPipe's) with 8."""
