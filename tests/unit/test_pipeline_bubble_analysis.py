@@ -34,6 +34,8 @@ def simulated_trace(name: str, p: int, m: int) -> list:
     durations = [[{"F": 1.0, "B": 1.3, "W": 0.7}[s.kind] * (1 + 0.1 * rank + 0.03 * (s.microbatch % 3))
                   for s in order] for rank, order in enumerate(orders)]
     events = simulate(orders, v, sent_after=sends, v_shape=v_shape, durations=durations, latency=LATENCY)
+    for rank_events, rank_durations in zip(events, durations):
+        assert [e.end - e.start for e in rank_events] == pytest.approx(rank_durations)
     traced = []
     for rank_events in events:
         previous_end, rank_traced = rank_events[0].start, []
