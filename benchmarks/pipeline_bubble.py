@@ -1,21 +1,26 @@
 """Pipeline bubble: the measured idle fraction of each rank under 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV,
-against the theory: ``(p - 1) / (v * m + p - 1)``; for ZB-H1 ``(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))`` from the
-measured step times (``zero_bubble.zb_h1_bubble``); for ZB-V ``v_schedules.zb_v_bubble`` from the measured step
-times of a chunk; for DualPipeV, which has no closed form without its overlap, the event simulator's bubble of
-its order with the measured step times (``trace.simulate``).
+against the schedule's theory at the step times the same iteration measured.
 
     python benchmarks/pipeline_bubble.py                          # sleep stages, p in {2, 4}, v in {1, 2}
     python benchmarks/pipeline_bubble.py --work gpt --pp 2        # real GPT chunks (one core per rank)
     python benchmarks/pipeline_bubble.py --trace-dir /tmp/traces  # also write Chrome traces
 
-Each layout runs the real schedules (``megatron_like.pipeline_parallel``) with gloo p2p on ``p``
-processes and records their trace. A step spans its compute and the p2p batch it issues afterwards
-(handing its result on, posting the next receives); a rank's idle fraction is the share of the
-iteration's window (first step start to last step end over all ranks) it spent outside its steps:
-waiting for a neighbour's data, or done. The table shows the median iteration, the ratio measured /
-theory, the time per step spent issuing p2p batches (``comm``, counted as busy: it is work the rank
-does, which the theory leaves out), and the measured window's excess over the theoretical one per step
-of a rank (message latency and Python between steps).
+Each layout runs the real schedules (``megatron_like.pipeline_parallel``) with gloo p2p on ``p`` processes and
+records their trace: per step its span (compute, then issuing the p2p batch that follows it: ``comm``) and the
+time it waited for its input before (``wait``). A rank is busy during its spans and during the executor's own time
+between them (the gap less the wait: ``overhead``); it is idle while it waits, and before its first and after its
+last step in the iteration's window (first start to last end over all ranks). Measured bubble: the mean idle
+share of the ranks.
+
+Theory (``analyse``): the event simulator (``trace.simulate``) replays the ranks' orders, with the communication
+plan the executor used, each step lasting exactly the busy time it took in this iteration (so a step slowed by
+the loaded machine slows the theory too), and messages instantaneous (``theory``) or taking the median latency
+measured in the trace (``theory+lat``: from a send's hand-off to the end of the wait of a receiver that was
+already waiting). ``formula`` is the closed form at the mean F, B, W times (``(p - 1) / (v m + p - 1)``,
+``zero_bubble.zb_h1_bubble``, ``v_schedules.zb_v_bubble``; DualPipeV's simulated order at those times), which
+the simulator reproduces exactly at uniform times (``tests/distributed/test_zero_bubble_schedules.py``). Each
+layout runs ``--iterations`` timed iterations; the row is the one with the median ratio measured / theory.
+``tests/unit/test_pipeline_bubble_analysis.py`` checks the analysis on simulated traces of known latency.
 
 ``--work sleep`` (default) gives every stage a forward of ``--forward-ms`` and a backward of twice that
 (divided among its ``v`` chunks) as sleeps, half of it the weight gradients (ZB-H1's W), so the measurement
@@ -296,15 +301,17 @@ def main(argv: list[str] | None = None) -> None:
           f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f}")
     print(f"{'schedule':>11} {'p':>2} {'v':>2} {'m':>3} | {'F/B/W ms':>11} | {'formula':>7} | {'theory':>6} "
-          f"{'measured':>8} {'ratio':>5} | {'latency ms':>10} {'theory+lat':>10} {'ratio':>5} | "
+          f"{'measured':>8} {'ratio':>5} {'all iterations':>14} | {'latency ms':>10} {'theory+lat':>10} {'ratio':>5} | "
           f"{'overhead ms/step':>16} {'comm ms/step':>12}")
     for name, p, v, m, analyses in rows:
         # The iteration whose measured/theory ratio is the median (the ratio, not the bubble, is what is reported).
         iterations = sorted(analyses, key=lambda a: a["measured"] / a["theory"])
         a = iterations[len(iterations) // 2]
         fbw = "/".join(f"{t * 1000:.0f}" for t in a["times"].values())
+        spread = f"{iterations[0]['measured'] / iterations[0]['theory']:.2f}-" \
+                 f"{iterations[-1]['measured'] / iterations[-1]['theory']:.2f}"
         print(f"{name:>11} {p:>2} {v:>2} {m:>3} | {fbw:>11} | {a['formula']:7.3f} | {a['theory']:6.3f} "
-              f"{a['measured']:8.3f} {a['measured'] / a['theory']:5.2f} | {a['latency'] * 1000:10.2f} "
+              f"{a['measured']:8.3f} {a['measured'] / a['theory']:5.2f} {spread:>14} | {a['latency'] * 1000:10.2f} "
               f"{a['theory_latency']:10.3f} {a['measured'] / a['theory_latency']:5.2f} | "
               f"{a['overhead'] * 1000:16.2f} {a['comm'] * 1000:12.2f}")
 
