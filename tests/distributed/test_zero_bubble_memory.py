@@ -28,9 +28,10 @@ def config_flags(schedule: str) -> list[str]:
             "--global-batch-size", str(MICRO_BATCH * MICROBATCHES), "--pipeline-schedule", schedule]
 
 
-def peak_activation_bytes(rank: int, world_size: int) -> dict[str, int]:
+def peak_activation_bytes(rank: int, world_size: int) -> dict:
     """Per schedule, the peak bytes allocated during one training schedule call on this rank (gradients already
-    allocated by a warm-up call, so what grows is activations, W stashes and the step's own temporaries)."""
+    allocated by a warm-up call, so what grows is activations, W stashes and the step's own temporaries); and
+    under ``"trace"`` the (start, end, wait) of the warm-up calls' traced steps."""
     import sys
     from types import SimpleNamespace
 
@@ -38,7 +39,7 @@ def peak_activation_bytes(rank: int, world_size: int) -> dict[str, int]:
 
     from megatron_like.config import ParallelConfig
     from megatron_like.parallel_state import ParallelState
-    from megatron_like.pipeline_parallel import get_forward_backward_func
+    from megatron_like.pipeline_parallel import ScheduleTrace, get_forward_backward_func
     from tests.peak_memory import peak_live_bytes
 
     sys.path.insert(0, "benchmarks")
@@ -49,16 +50,19 @@ def peak_activation_bytes(rank: int, world_size: int) -> dict[str, int]:
     ps = ParallelState.initialize(ParallelConfig(pipeline_model_parallel_size=world_size, pipeline_schedule="zb-v"),
                                   world_size)
     args = SimpleNamespace(gpt_layers=LAYERS, hidden_size=HIDDEN, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
-    peaks = {}
+    peaks: dict = {"trace": []}
     for schedule in SCHEDULES:
         v_shape = schedule in ("zb-v", "dualpipev")
         chunks, forward_step, batches = pipeline_bubble.build_gpt_chunks(ps, 2 if v_shape else 1, args, v_shape)
         run = get_forward_backward_func(world_size, len(chunks), schedule)
 
-        def step() -> None:
-            run(forward_step, batches, chunks, MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+        def step(trace: ScheduleTrace | None = None) -> None:
+            run(forward_step, batches, chunks, MICROBATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                trace=trace)
 
-        step()
+        warmup = ScheduleTrace()
+        step(warmup)
+        peaks["trace"].append([(e.start, e.end, e.wait) for e in warmup.events])
         for chunk in chunks:
             chunk.zero_grad(set_to_none=False)
         peaks[schedule] = peak_live_bytes(step)[0]
@@ -93,3 +97,15 @@ def test_zb_h1_first_stage_peak_is_1f1bs():
     first = measured()[0]
     assert first["zb-h1"] == pytest.approx(first["1f1b"], rel=0.10), first
 
+
+
+def test_trace_records_each_steps_wait_for_its_input():
+    """The executor records how long each step waited for its input (what pipeline_bubble.py tells apart from its
+    own time between steps): within the gap since the rank's previous step, and the second stage's first step
+    (its input is the first stage's first forward) did wait."""
+    for pp_rank, result in enumerate(measured()):
+        for events in result["trace"]:
+            assert all(wait <= start - previous_end
+                       for (_, previous_end, _), (start, _, wait) in zip(events, events[1:]))
+            if pp_rank == 1:
+                assert events[0][2] > 0.0
