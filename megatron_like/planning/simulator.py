@@ -371,6 +371,10 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
         f"estimated iteration time: {plan.iteration_seconds:.2f} s | estimated throughput: "
         f"{plan.tokens_per_second:,.0f} tokens/s",
     ]
+    if p.pipeline_schedule in ("zb-h1", "zb-v", "dualpipev"):
+        stashed = max(plan.ranks, key=lambda r: r.activations.awaiting_w)
+        lines.append(f" > W stashes (deferred weight gradients' inputs and output gradients) in the activations: up "
+                     f"to {stashed.activations.awaiting_w / GIB:.2f} GiB, on pp rank {stashed.pp_rank}")
     dispatcher = max(r.dispatcher_bytes for r in plan.ranks)
     if dispatcher:
         lines.append(f" > expert-parallel {c.model.moe_token_dispatcher_type} bytes sent per rank per iteration "
