@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -27,13 +28,15 @@ def rank_one_dies(rank: int, world_size: int, how: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     ps = ParallelState.initialize(ParallelConfig(), world_size)
     if rank == 1:
-        print("rank 1 is about to exit")  # not flushed by os._exit: the harness's line buffering must save it
+        # os._exit flushes no Python buffer: the line reaches the log only if the harness made stdout line-buffered
+        # (under PYTHONUNBUFFERED it would reach it anyway, hence the flag in the line).
+        print(f"rank 1 is about to exit (line-buffered: {sys.stdout.line_buffering})")
         os._exit(3)
     comm.all_reduce(torch.ones(1), ps.dp_group)  # raises or hangs: its peer is gone
 
 
 @pytest.mark.parametrize("how,status,line", [
-    ("os._exit in training", "exited with status 3", "rank 1 is about to exit"),
+    ("os._exit in training", "exited with status 3", "rank 1 is about to exit (line-buffered: True)"),
     ("killed before the rendezvous", "was killed by SIGKILL", "rank 1 is about to be killed"),
 ])
 def test_a_dead_rank_fails_the_run_at_once_with_its_status_and_output(how: str, status: str, line: str) -> None:
