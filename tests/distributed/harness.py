@@ -144,8 +144,8 @@ def _describe_exit(code: int) -> str:
 
 
 # A rank whose process ended is reported dead once its result has had this long to arrive: a rank's result is in
-# the queue's pipe before its process ends, so only the reading lags.
-_RESULT_GRACE_S = 1.0
+# the queue's pipe before its process ends (its feeder thread is joined at exit), so the next read finds it.
+_RESULT_GRACE_S = 0.5
 _POLL_S = 0.1
 
 
@@ -179,7 +179,7 @@ def _stop(processes: list[Any]) -> None:
 
 def collect_distributed(processes: list[Any], results: Any, timeout: float = 300.0) -> list[Any]:
     """Wait for the ranks ``start_distributed`` started; return their results in rank order. Raise on the first
-    rank that raised, or died without a result (within about a second of its death), or when one does not finish
+    rank that raised, or died without a result (within a second of its death), or when one does not finish
     within ``timeout`` s; the other ranks are killed then. The processes are joined either way."""
     world_size = len(processes)
     collected: dict[int, Any] = {}
