@@ -207,6 +207,9 @@ def collect_distributed(processes: list[Any], results: Any, timeout: float = 300
             for p in processes:
                 p.join(timeout=10)
         _stop(processes)
+        for p in processes:  # read already, if a failure needed them
+            with contextlib.suppress(OSError):
+                os.remove(p.log_path)
     return [collected[r] for r in range(world_size)]
 
 
