@@ -44,6 +44,21 @@ def test_round_trip_through_dict():
     assert Config.from_dict(config.to_dict()) == config
 
 
+def test_parses_in_one_process_share_nothing_but_the_parser_and_name_their_program(monkeypatch, capsys):
+    """parse_config keeps one parser per program name: a config's list (a default the parser holds) is its own, a
+    repeatable flag of one parse is not in the next, and a bad flag's hint names the program running now (a parser
+    kept for another would name that one)."""
+    assert len(parse_config(MOCK + ["--inject-fault", "nan_loss@2", "--inject-fault", "slow@1:1"])
+               .resilience.inject_fault) == 2
+    parse_config(MOCK).resilience.inject_fault.append("nan_loss@3")
+    assert parse_config(MOCK).resilience.inject_fault == []
+    for program in ("pretrain_gpt.py", "pretrain_vit.py"):
+        monkeypatch.setattr("sys.argv", [f"/some/dir/{program}"])
+        with pytest.raises(SystemExit):
+            parse_config(MOCK + ["--no-such-flag"])
+        assert capsys.readouterr().err.strip().endswith(f"(see {program} --help)")
+
+
 @pytest.mark.parametrize(
     "flags,world_size,message",
     [
