@@ -2,8 +2,9 @@
 
 ``train_gpt(rank, world_size, flags)`` runs the real trainer on mock data with the given CLI flags and
 returns what this rank knows: the logged losses (last stage) and its parameters under *global* names,
-with tensor-parallel shards gathered to full tensors. ``merge_ranks`` assembles the full model from the
-per-rank results so it can be compared with the single-process run.
+with tensor-parallel shards gathered to full tensors (and, in bf16/fp16, the fp32 master weights of the
+parameters replicated over tp). ``merge_ranks`` assembles the full model from the per-rank results so it can be
+compared with the single-process run.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "losses": result.losses,
         "grad_norms": result.grad_norms,
         "params": full_parameters(result.model, ps),
+        "masters": replicated_masters(result.optimizer, result.model),
         "coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank),
         "loss_scales": result.loss_scales,
         "skipped_iterations": result.skipped_iterations,
@@ -99,6 +101,25 @@ def train_gpt(rank: int, world_size: int, flags: list[str], forward_step: Callab
         "expert_biases": result.expert_biases,
         "loss_stats": result.loss_stats,
     }
+
+
+def replicated_masters(optimizer, model: list[torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """``{global name: fp32 master weight}`` of this rank's parameters replicated over tp (norms, the biases of
+    row-parallel linears) whose master it holds whole, when masters are separate from the params (bf16/fp16).
+
+    A bf16 norm weight near 1 (spacing 2^-7) hides the lr-sized steps by which tp ranks' copies drift apart when
+    the sequence-parallel gradient all-reduce is missing; its fp32 master shows them."""
+    names = {param: global_name(chunk, name) for chunk in model for name, param in chunk.named_parameters()}
+    masters = {}
+    for bucket, master, alias in zip(optimizer.buckets, optimizer.masters, optimizer.master_is_param):
+        if alias:
+            continue
+        for param, lo, hi, param_lo, param_hi in bucket.shard_segments():
+            split = any(getattr(param, attr, False)
+                        for attr in ("tensor_model_parallel", "expert_parallel", "shared_embedding"))
+            if not split and param_lo == 0 and param_hi == param.numel():
+                masters[names[param]] = master[lo:hi].view(param.shape).clone()
+    return masters
 
 
 def _with_chunk_hook(provider: Callable, on_chunk: Callable) -> Callable:
@@ -123,22 +144,33 @@ def merge_ranks(results: list[dict]) -> dict:
     differently (``assert_same_training`` requires none), ``copies`` counts the ranks holding each.
     """
     losses = [r["losses"] for r in results if r["losses"]]
-    params: dict[str, torch.Tensor] = {}
     copies: dict[str, int] = {}
-    mismatches = []
-    for rank, r in enumerate(results):
-        for name, tensor in r["params"].items():
-            first = params.setdefault(name, tensor)
-            copies[name] = copies.get(name, 0) + 1
-            if not torch.equal(first, tensor):
-                mismatches.append(f"{name} of rank {rank} {r.get('coords', '')} differs by "
-                                  f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
+    mismatches: list[str] = []
+    params = _merge_tensors(results, "params", mismatches, copies)
+    masters = _merge_tensors(results, "masters", mismatches)
     merged = {"losses": losses[0], "all_losses": losses, "grad_norms": results[-1]["grad_norms"], "params": params,
-              "copies": copies, "replica_mismatches": mismatches,
+              "masters": masters, "copies": copies, "replica_mismatches": mismatches,
               "expert_biases": _merge_expert_biases(results, mismatches)}
     for key in ("loss_scales", "skipped_iterations", "nan_iterations", "moe_losses", "loss_stats"):
         if key in results[-1]:
             merged[key] = results[-1][key]
+    return merged
+
+
+def _merge_tensors(results: list[dict], key: str, mismatches: list[str],
+                   copies: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """The union over ranks of ``r[key]`` (``{name: tensor}``); each rank holding a tensor differently from the
+    first rank holding it is named in ``mismatches``, and ``copies`` counts the ranks holding each."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        for name, tensor in r.get(key, {}).items():
+            first = merged.setdefault(name, tensor)
+            if copies is not None:
+                copies[name] = copies.get(name, 0) + 1
+            if not torch.equal(first, tensor):
+                label = name if key == "params" else f"{name} ({key})"
+                mismatches.append(f"{label} of rank {rank} {r.get('coords', '')} differs by "
+                                  f"{(first - tensor).abs().max().item():.3g} from the first rank holding it")
     return merged
 
 
@@ -176,3 +208,21 @@ def assert_same_training(reference: dict, parallel: dict, rtol: float = 1e-5, we
     for name, expected in reference["params"].items():
         torch.testing.assert_close(parallel["params"][name], expected, rtol=rtol, atol=weight_atol,
                                    msg=lambda message, name=name: f"{name}: {message}")
+
+
+def assert_same_replicated_masters(reference: dict, parallel: dict, atol: float = 5e-4) -> None:
+    """bf16/fp16 under tp: the same fp32 master weights of the tp-replicated parameters on every rank holding them,
+    and those of the norms within ``atol`` of the single-process run's.
+
+    A missing sequence-parallel gradient all-reduce lets each tp rank step on its own shard's partial gradient:
+    the ranks' masters differ, and the norms' move by ~lr (1e-3) from the single process's. The activations differ
+    by bf16 rounding between layouts, which moves the norms' masters by ~1e-4 over a few steps (0.5e-3 is half an
+    lr step); matrices are held to equality across ranks only: Adam turns the rounding noise on their few
+    near-zero gradients into lr-sized steps."""
+    assert parallel["masters"], "the run reported no separate fp32 masters of tp-replicated parameters"
+    assert not parallel["replica_mismatches"], "; ".join(parallel["replica_mismatches"])
+    norms = {name: master for name, master in parallel["masters"].items() if master.ndim == 1}
+    assert norms, "no norm weight among the tp-replicated masters"
+    for name, master in norms.items():
+        torch.testing.assert_close(master, reference["masters"][name], rtol=0, atol=atol,
+                                   msg=lambda message, name=name: f"{name} (fp32 master): {message}")

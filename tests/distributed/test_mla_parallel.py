@@ -16,7 +16,13 @@ import functools
 import pytest
 import torch
 
-from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
+from tests.distributed.gpt_runs import (
+    assert_same_replicated_masters,
+    assert_same_training,
+    merge_ranks,
+    train_gpt,
+    train_gpt_many,
+)
 from tests.distributed.harness import run_distributed
 
 MLA = [
@@ -61,9 +67,12 @@ def runs() -> dict[str, dict]:
 def test_mla_training_equals_single_process(name: str) -> None:
     run = runs()[name]
     if name.startswith("bf16"):
-        # As the Llama test: tp sums bf16 partial products in another order, so only the losses are held to 1e-4.
+        # As the Llama test: tp sums bf16 partial products in another order, so the losses are held to 1e-4, the
+        # fp32 masters of the tp-replicated weights (norms, the sequence-parallel down-projections) to equality
+        # across tp ranks, and the norms' to half an lr step.
         torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(reference("bf16")["losses"]),
                                    rtol=1e-4, atol=0)
+        assert_same_replicated_masters(reference("bf16"), run)
     elif name.startswith("q-projection"):
         assert "layers.0.attention.q_proj.weight" in run["params"]
         assert_same_training(reference("q-projection"), run)

@@ -34,10 +34,12 @@ def single_process_losses() -> dict[int, float]:
 
 
 def assert_same_losses(losses: dict[int, float], iterations: range) -> None:
+    """Within 1e-6 of the single process's (the log's 7 digits; fp32 layouts differ by ~1e-7): without the
+    sequence-parallel gradient all-reduce of the norms the losses of iterations 2 and 3 move by 2e-6 and 8e-6."""
     expected = single_process_losses()
     assert sorted(losses) == list(iterations)
     for iteration in iterations:
-        assert losses[iteration] == pytest.approx(expected[iteration], rel=1e-4), f"iteration {iteration}"
+        assert losses[iteration] == pytest.approx(expected[iteration], rel=1e-6), f"iteration {iteration}"
 
 
 def test_llama_tp2_pp2_sp_logs_single_process_losses_and_continues_in_one_process(tmp_path):

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import typing
-from pathlib import Path
 
 import pytest
 
 from megatron_like.config import Config, ConfigError, build_parser, field_docstrings, parse_config
 
-ROOT = Path(__file__).resolve().parents[2]
 MOCK = ["--mock-data", "--vocab-size", "512"]
 
 
@@ -48,6 +44,21 @@ def test_round_trip_through_dict():
     assert Config.from_dict(config.to_dict()) == config
 
 
+def test_parses_in_one_process_share_nothing_but_the_parser_and_name_their_program(monkeypatch, capsys):
+    """parse_config keeps one parser per program name: a config's list (a default the parser holds) is its own, a
+    repeatable flag of one parse is not in the next, and a bad flag's hint names the program running now (a parser
+    kept for another would name that one)."""
+    assert len(parse_config(MOCK + ["--inject-fault", "nan_loss@2", "--inject-fault", "slow@1:1"])
+               .resilience.inject_fault) == 2
+    parse_config(MOCK).resilience.inject_fault.append("nan_loss@3")
+    assert parse_config(MOCK).resilience.inject_fault == []
+    for program in ("pretrain_gpt.py", "pretrain_vit.py"):
+        monkeypatch.setattr("sys.argv", [f"/some/dir/{program}"])
+        with pytest.raises(SystemExit):
+            parse_config(MOCK + ["--no-such-flag"])
+        assert capsys.readouterr().err.strip().endswith(f"(see {program} --help)")
+
+
 @pytest.mark.parametrize(
     "flags,world_size,message",
     [
@@ -80,10 +91,9 @@ def test_missing_data_is_explained():
 
 
 def test_cli_rejects_invalid_layout_without_traceback():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *MOCK, "--tensor-model-parallel-size", "3"],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )
+    from tests.e2e.cli import run_script  # `python pretrain_gpt.py ...` as from a shell, forked: no torch import
+
+    result = run_script("pretrain_gpt.py", *MOCK, "--tensor-model-parallel-size", "3", check=False, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "error: --num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"
