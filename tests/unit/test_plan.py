@@ -170,9 +170,11 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
                                                                                                       rel=0.02)
 
 
-def kept_for_backward(config, document_ids=None) -> int:
+def kept_for_backward(config, document_ids=None, ps=None) -> int:
     """Bytes one TransformerLayer of ``config`` keeps for backward on ``[64, 4, 256]`` (the autograd saved-tensor
-    hooks, parameters excluded, each storage once); ``document_ids`` int64 ``[4, 64]``: packed documents."""
+    hooks, parameters excluded, each storage once); ``document_ids`` int64 ``[4, 64]``: packed documents. ``ps``: a
+    tensor-parallel rank's state (one process when None); with ``--sequence-parallel`` the input is its
+    ``[64 / tp, 4, 256]`` shard."""
     import torch
 
     from megatron_like.model.transformer import TransformerLayer
@@ -180,7 +182,9 @@ def kept_for_backward(config, document_ids=None) -> int:
     from megatron_like.tensor_parallel.random import seed_everything
 
     dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
-    layer = TransformerLayer(config.model, ParallelState.single_process(torch.device("cpu")), 0, 1, False, dtype)
+    ps = ParallelState.single_process(torch.device("cpu")) if ps is None else ps
+    sequence_parallel = config.parallel.sequence_parallel
+    layer = TransformerLayer(config.model, ps, 0, 1, sequence_parallel, dtype)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     saved: dict[int, int] = {}
 
@@ -190,8 +194,8 @@ def kept_for_backward(config, document_ids=None) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
-    seed_everything(1, tp_rank=0, pp_rank=0)  # attention dropout draws from the tracker's stream
+    x = torch.randn(64 // (ps.tp_size if sequence_parallel else 1), 4, 256, dtype=dtype, requires_grad=True)
+    seed_everything(1, tp_rank=ps.tp_rank, pp_rank=0)  # attention dropout draws from the tracker's stream
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         layer(x, document_ids=document_ids)
     return sum(saved.values())
