@@ -7,11 +7,24 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.unit.test_plan import LAYER, LLAMA, MLA, kept_for_backward
+from tests.unit.test_plan import LAYER, LLAMA, MLA, MLA_CASES, kept_for_backward
 
 TP = 2
 SP = ["--tensor-model-parallel-size", str(TP), "--sequence-parallel"]
-CASES = {"gpt": [], "llama": LLAMA, "mla": MLA}
+CASES = {"gpt": [], "llama": LLAMA, "mla": MLA, "mla-no-q-latent-moe": MLA_CASES["mla-no-q-latent-moe"]}
+ZERO_BUBBLE = ("gpt", "mla", "mla-no-q-latent-moe")
+"""Cases also measured inside a zero-bubble run's forward, whose column-parallel linears keep the gathered input."""
+
+
+def parsed(case: str, zero_bubble: bool = False):
+    """The config of ``case`` at tp 2 with sequence parallelism (a one-stage config told it runs ZB-H1's split
+    backward: the schedule itself needs two stages)."""
+    from megatron_like.config import parse_config
+
+    config = parse_config(LAYER + CASES[case] + SP, world_size=TP)
+    if zero_bubble:
+        config.parallel.pipeline_schedule = "zb-h1"
+    return config
 
 
 def saved_shapes_of_column_linear(ps) -> list[tuple[int, ...]]:
@@ -39,13 +52,14 @@ def saved_shapes_of_column_linear(ps) -> list[tuple[int, ...]]:
 
 def measure(rank: int, world_size: int) -> dict:
     """The column linear's saved shapes and each case's layer bytes (saved-tensor hooks) on this tp rank."""
-    from megatron_like.config import parse_config
     from megatron_like.parallel_state import ParallelState
+    from megatron_like.tensor_parallel.weight_grad import split_backward
 
-    ps = ParallelState.initialize(parse_config(LAYER + SP, world_size=world_size).parallel, world_size)
-    layers = {name: kept_for_backward(parse_config(LAYER + extra + SP, world_size=world_size), ps=ps)
-              for name, extra in CASES.items()}
-    return {"column": saved_shapes_of_column_linear(ps), "layers": layers}
+    ps = ParallelState.initialize(parsed("gpt").parallel, world_size)
+    layers = {name: kept_for_backward(parsed(name), ps=ps) for name in CASES}
+    with split_backward():
+        zero_bubble = {name: kept_for_backward(parsed(name, True), ps=ps) for name in ZERO_BUBBLE}
+    return {"column": saved_shapes_of_column_linear(ps), "layers": layers, "zero_bubble": zero_bubble}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +77,20 @@ def test_column_parallel_linear_keeps_only_its_sequence_shard(measured):
 def test_layer_activation_formula_equals_the_saved_tensors_at_tp2_sequence_parallel(measured, case):
     """One layer's saved bytes on each tp rank against the planner's formula at tp 2 with sequence parallelism:
     the norms' and the column-parallel linears' inputs divided by tp, the heads' and the MLP's terms split."""
-    from megatron_like.config import parse_config
     from megatron_like.planning.activations import layer_activation_bytes
 
-    planned = layer_activation_bytes(parse_config(LAYER + CASES[case] + SP, world_size=TP), None, "cpu")
+    planned = layer_activation_bytes(parsed(case), None, "cpu")
     for rank in measured:
         assert planned == pytest.approx(rank["layers"][case], rel=0.02)
+
+
+@pytest.mark.parametrize("case", ZERO_BUBBLE)
+def test_zero_bubble_layer_keeps_the_gathered_inputs_the_planner_counts(measured, case):
+    """Inside a zero-bubble run the column-parallel linears' W steps keep their gathered inputs: more than the
+    other schedules, as the planner's ``gathered_for_w_steps`` counts."""
+    from megatron_like.planning.activations import layer_activation_bytes
+
+    planned = layer_activation_bytes(parsed(case, zero_bubble=True), None, "cpu")
+    for rank in measured:
+        assert rank["zero_bubble"][case] > rank["layers"][case]
+        assert planned == pytest.approx(rank["zero_bubble"][case], rel=0.02)
