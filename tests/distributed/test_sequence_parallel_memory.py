@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed.harness import run_distributed
-from tests.unit.test_plan import LAYER, LLAMA, MLA, MLA_CASES, kept_for_backward
+from tests.saved_tensors import kept_for_backward
+from tests.unit.test_plan import LAYER, LLAMA, MLA, MLA_CASES
 
 TP = 2
 SP = ["--tensor-model-parallel-size", str(TP), "--sequence-parallel"]
