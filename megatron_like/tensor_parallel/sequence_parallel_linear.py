@@ -50,9 +50,8 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shard, weight = ctx.saved_tensors
-        tp_group = ctx.tp_group
-        wants_weight_grads = ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])
-        if wants_weight_grads:  # the re-gather overlaps the input-gradient GEMM
+        tp_group, wants_weight_grad = ctx.tp_group, ctx.needs_input_grad[1]
+        if wants_weight_grad:  # the re-gather overlaps the input-gradient GEMM
             gathered, gathering = _start_all_gather(shard, tp_group)
         grad_shard = reducing = None
         if ctx.needs_input_grad[0]:
@@ -60,14 +59,12 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
             grad_shard = grad_input.new_empty(shard.shape)
             # the reduce-scatter overlaps the weight-gradient GEMM
             reducing = comm.reduce_scatter_flat(grad_shard.view(-1), grad_input.view(-1), tp_group, async_op=True)
-        grad_weight = grad_bias = None
-        if wants_weight_grads:
+        grad2d = grad.reshape(-1, grad.shape[-1])  # [s b, out / tp]
+        grad_weight = None
+        if wants_weight_grad:
             gathering.wait()
-            grad2d = grad.reshape(-1, grad.shape[-1])  # [s b, out / tp]
-            if ctx.needs_input_grad[1]:
-                grad_weight = grad2d.t().mm(gathered.view(-1, gathered.shape[-1]))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                grad_bias = grad2d.sum(0)
+            grad_weight = grad2d.t().mm(gathered.view(-1, gathered.shape[-1]))
+        grad_bias = grad2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if reducing is not None:
             reducing.wait()
         return grad_shard, grad_weight, grad_bias, None, None
