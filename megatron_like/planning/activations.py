@@ -8,6 +8,8 @@ right ones (units of ``s b h`` unless said)::
 
     kept whole on each tp rank (split by tp only with sequence parallelism):
         LayerNorm inputs 2e, QKV input e, MLP input e, two dropout masks 2       -> 4e + 2
+    (a column-parallel linear keeps its input's sequence shard and gathers it again in backward; under a
+    zero-bubble schedule its W step keeps the gathered input instead: ``gathered_for_w_steps``)
     split by tp (each rank holds heads / tp, ffn / tp):
         Q, K, V 3e, attention output e, GELU input 4e, GELU output 4e            -> 12e
     attention core, per a s^2 b, split by tp:
@@ -82,10 +84,11 @@ The first stage adds the embedding output (and its dropout mask), the last stage
 input, the logits (e) and the cross entropy's fp32 exponentials ``[s, b, v / tp]``, alive for one micro
 batch and freed before the layers' backward starts. With ``--mtp-num-layers D`` the last stage holds D more
 layers per micro batch, each depth's norm inputs ``2e`` (split with sequence parallelism) and projection input
-``2e`` (whole), and D more logits buffers alive together with the main one. Recomputation needs workspace
-during backward: one re-run attention core (selective) or one re-created group of layers (full); the larger of the two
-transient amounts is added. ``block`` re-creates its first layers only after the chunk's kept layers freed
-theirs, so it needs workspace only when every layer of the chunk is recomputed.
+``2e`` (split too, but under a zero-bubble schedule), and D more logits buffers alive together with the main
+one. Recomputation needs workspace during backward: one re-run attention core (selective) or one re-created
+group of layers (full); the larger of the two transient amounts is added. ``block`` re-creates its first layers
+only after the chunk's kept layers freed theirs, so it needs workspace only when every layer of the chunk is
+recomputed.
 """
 
 from __future__ import annotations
@@ -159,7 +162,8 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
         mlp = (3 if m.swiglu else 2) * e * m.ffn_size / h
         replicated += latent * s * b / (tp if p.sequence_parallel else 1)
         split = (attention + mlp * h) * s * b / tp
-        return replicated + split + core * s * b / tp + _moe_mlp_difference(config, mlp)
+        return replicated + split + core * s * b / tp + _moe_mlp_difference(config, mlp) \
+            + gathered_for_w_steps(config)
     window = m.attention_window
     # context parallelism runs every mode on the blockwise core
     blockwise = (window is not None and window < m.seq_length) or config.data.reset_attention_mask \
@@ -193,7 +197,31 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
             split += (8 if e == 4 else 12) * s * b * h * width / tp
         else:
             core = 4 * a * s * b / tp  # flash attention's log-sum-exp
-    return replicated + split + core
+    return replicated + split + core + gathered_for_w_steps(config)
+
+
+def gathered_for_w_steps(config: Config) -> float:
+    """Bytes per layer that a zero-bubble schedule keeps beyond the formula under sequence parallelism at tp > 1:
+    its column-parallel linears' W steps keep their gathered ``[s, b, in]`` inputs, where the other schedules keep
+    the ``[s / tp, b, in]`` shards and gather them again in backward (``tensor_parallel/sequence_parallel_linear.py``).
+    Adds ``(1 - 1 / tp) e s b`` times the inputs' widths: QKV's (or MLA's up-projections' latents) and MLP fc1's
+    (an MoE layer's shared expert's); MLA's ``q_proj`` without a query latent keeps a gathered copy of the input
+    whose shard the down-projection keeps too, ``e s b h``. 0 otherwise."""
+    m, p = config.model, config.parallel
+    tp = p.tensor_model_parallel_size
+    if not (p.sequence_parallel and tp > 1 and p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES):
+        return 0.0
+    gathered = 1 - 1 / tp
+    if not m.multi_latent_attention:
+        attention = gathered * m.hidden_size
+    elif m.q_lora_rank:
+        attention = gathered * (m.q_lora_rank + m.kv_lora_rank)
+    else:
+        attention = m.hidden_size + gathered * m.kv_lora_rank
+    pattern = m.moe_layer_pattern
+    moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
+    mlp = gathered * m.hidden_size * (1 - moe_fraction * (not m.moe_shared_expert_intermediate_size))
+    return (attention + mlp) * element_bytes(config) * local_seq_length(config) * config.training.micro_batch_size
 
 
 def _moe_mlp_difference(config: Config, mlp: float) -> float:
@@ -345,8 +373,10 @@ def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, devic
     holds_loss = pp_rank == (0 if p.v_shape else pp - 1)  # the V's last stage is rank 0's second chunk
     depths = (m.mtp_num_layers or 0) if holds_loss else 0
     # Multi-token prediction: each depth is one more layer of the last chunk, kept like the others, plus its
-    # two norm inputs and its projection's (gathered) 2h input; every depth's logits are alive at once.
-    mtp_per_microbatch = depths * (2 * e / sp_div + 2 * e) * s * b * h
+    # two norm inputs and its projection's 2h input (gathered under a zero-bubble schedule, else the shard); every
+    # depth's logits are alive at once.
+    projection_div = 1 if p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES else sp_div
+    mtp_per_microbatch = depths * (2 * e / sp_div + 2 * e / projection_div) * s * b * h
     logits = (1 + depths) * (e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp) if holds_loss else 0.0
     if pp > 1 and (p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES or config.virtual_pipeline_size == 1):
         # What the loss keeps from its F to its B: the output layer's input and the cross entropy's fp32 exp.

@@ -28,6 +28,7 @@ from megatron_like.tensor_parallel.mappings import (
     scatter_to_tensor_parallel_region,
 )
 from megatron_like.tensor_parallel.random import init_generator
+from megatron_like.tensor_parallel.sequence_parallel_linear import sequence_parallel_column_linear
 
 
 def mark_replicated(param: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
@@ -74,8 +75,9 @@ class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: each rank computes ``output_size / tp`` output features.
 
     Input ``[s, b, input_size]`` (``[s / tp, b, input_size]`` with sequence parallelism: it is
-    all-gathered first). Output ``[s, b, output_size / tp]``, or ``[s, b, output_size]`` with
-    ``gather_output``. ``weight=`` in forward supplies an external weight (the tied output layer).
+    all-gathered first, and only the shard is kept for backward, ``sequence_parallel_linear.py``).
+    Output ``[s, b, output_size / tp]``, or ``[s, b, output_size]`` with ``gather_output``.
+    ``weight=`` in forward supplies an external weight (the tied output layer).
     ``skip_bias_add`` leaves the bias out of the output so the caller can fuse it into what follows.
     ``gemm_backend``: ``--cpu-gemm-backend`` (MKL or oneDNN for fp32 on CPU, see ``cpu_gemm.py``).
     ``defer_weight_grad``: in a zero-bubble schedule, compute the weight gradient in the W step
@@ -126,11 +128,16 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel and not (self.defer_weight_grad and weight_grad.is_split()):
+            # keeps only x's sequence shard for backward and gathers it again there
+            y = sequence_parallel_column_linear(x, weight, bias, self.tp_group, self.gemm)
         else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = weight_grad.linear(x, weight, None if self.skip_bias_add else self.bias, self.gemm, self.defer_weight_grad)
+            if self.sequence_parallel:  # a zero-bubble W step keeps the gathered input (weight_grad.py)
+                x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
+            else:
+                x = copy_to_tensor_parallel_region(x, self.tp_group)
+            y = weight_grad.linear(x, weight, bias, self.gemm, self.defer_weight_grad)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
         return y

@@ -14,6 +14,7 @@ from megatron_like.pipeline_parallel.schedules import interleaved_steps, one_f_o
 from megatron_like.planning.activations import microbatches_alive
 from megatron_like.planning.simulator import GIB, plan_run
 from tests.peak_memory import peak_live_bytes
+from tests.saved_tensors import kept_for_backward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
@@ -168,33 +169,6 @@ def test_layer_activation_formula_equals_the_tensors_saved_for_backward(extra):
     measured = kept_for_backward(config)
     assert layer_activation_bytes(config, config.model.recompute_granularity, "cpu") == pytest.approx(measured,
                                                                                                       rel=0.02)
-
-
-def kept_for_backward(config, document_ids=None) -> int:
-    """Bytes one TransformerLayer of ``config`` keeps for backward on ``[64, 4, 256]`` (the autograd saved-tensor
-    hooks, parameters excluded, each storage once); ``document_ids`` int64 ``[4, 64]``: packed documents."""
-    import torch
-
-    from megatron_like.model.transformer import TransformerLayer
-    from megatron_like.parallel_state import ParallelState
-    from megatron_like.tensor_parallel.random import seed_everything
-
-    dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
-    layer = TransformerLayer(config.model, ParallelState.single_process(torch.device("cpu")), 0, 1, False, dtype)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
-    seed_everything(1, tp_rank=0, pp_rank=0)  # attention dropout draws from the tracker's stream
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        layer(x, document_ids=document_ids)
-    return sum(saved.values())
 
 
 @pytest.mark.parametrize("extra", [[], ["--bf16", "--attention-dropout", "0.1"]], ids=["fp32", "bf16-dropout"])
