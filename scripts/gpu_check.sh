@@ -111,14 +111,16 @@ fi
 # A short training run under torchrun: tensor parallelism over NCCL with two or more GPUs; with one GPU, one
 # process (which starts no process group, so NCCL is not exercised).
 nproc=$("$PY" -c 'import torch; print(min(2, torch.cuda.device_count()))')
+# Sequence parallelism at tp > 1 exercises the column linears' async re-gather and reduce-scatter over NCCL.
+sp_flag=$([ "$nproc" -gt 1 ] && echo "--sequence-parallel")
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$nproc" pretrain_gpt.py \
     --tensor-model-parallel-size "$nproc" --num-layers 4 --hidden-size 256 --num-attention-heads 8 \
     --seq-length 128 --max-position-embeddings 128 --micro-batch-size 4 --global-batch-size 8 --train-iters 20 \
-    --lr 1e-3 --mock-data --vocab-size 1024 --bf16 --log-interval 5 --eval-iters 1 --seed 1234 \
+    --lr 1e-3 --mock-data --vocab-size 1024 --bf16 --log-interval 5 --eval-iters 1 --seed 1234 $sp_flag \
     >"$LOGS/torchrun.log" 2>&1
 status=$?
 loss=$(grep -o 'lm loss: [0-9.E+-]*' "$LOGS/torchrun.log" | tail -1)
-backend=$([ "$nproc" -gt 1 ] && echo "NCCL, tp $nproc" || echo "1 GPU: no process group, NCCL not exercised")
+backend=$([ "$nproc" -gt 1 ] && echo "NCCL, tp $nproc + sp" || echo "1 GPU: no process group, NCCL not exercised")
 if [ "$status" -eq 0 ] && [ -n "$loss" ]; then
     row "torchrun pretrain_gpt.py bf16" ok "$backend; last logged $loss"
 else
