@@ -646,6 +646,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compute-dominates", action="store_true",
                         help="GPT 8 layers, hidden 512, 8 heads, seq 256, vocab 1024, global batch 8: the layers' "
                         "GEMMs dominate every pipeline stage (the zero-bubble comparison)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory in every rank (MALLOC_MMAP_THRESHOLD_ 32 MiB, "
+                        "MALLOC_TRIM_THRESHOLD_ 1 GiB), as a GPU's caching allocator does: no side pays page "
+                        "faults for memory it freed and allocates again")
     parser.add_argument("--states-dominate", action="store_true",
                         help="GPT 8 layers, hidden 512, 8 heads, seq 64, vocab 1024, global batch 4: parameters, "
                         "gradients and Adam moments dominate the step's activations")
@@ -656,6 +660,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--world-size {args.world_size}: only {', '.join(DATA_PARALLEL_MODES)} run on other than 2 "
                      "processes (tp and pp are written for 2); pass --modes with those")
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.keep_freed_memory:  # read by glibc when the ranks' fork server starts (tests/distributed/harness.py)
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     from tests.distributed.harness import run_distributed
 
     sizes = (ISSUE if args.issue_sizes else STATES_DOMINATE if args.states_dominate
@@ -666,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as error:
             parser.error(f"--modes {mode} at {sizes}: {error}")
     print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}" + (", freed memory kept (glibc)" if args.keep_freed_memory else ""))
     print("| mode | implementation | s/step (median) | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank "
           "| theory MiB/rank | speed vs peer (wall) | (CPU) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
