@@ -16,7 +16,11 @@
    of a stage's times). The iteration is the simulated makespan; tokens/s = global batch x 2048 / it.
 
 Only the proportions of F, B and W matter for the gain over 1F1B (the scale cancels); the measured ones include
-what a CPU adds (Python per op, the split's extra cost), which a GPU run has in other amounts.
+what a CPU adds (Python per op, the split's extra cost), which a GPU run has in other amounts. Run it with freed
+memory kept, as a GPU's caching allocator keeps it (``split_backward_cost.py`` says why)::
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 \
+        .venv/bin/python benchmarks/zero_bubble_at_scale.py
 """
 
 from __future__ import annotations
@@ -110,7 +114,9 @@ def main() -> None:
     torch.set_num_threads(1)
     t = measure(args.hidden, args.seq, args.repeats)
     plain, split = t["forward"] + t["backward"], t["split forward"] + t["B"] + t["W"]
-    print(f"# load average {os.getloadavg()[0]:.1f}; measured (4 layers, hidden {args.hidden}, seq {args.seq}, one "
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    print(f"# load average {os.getloadavg()[0]:.1f}, glibc malloc {malloc or 'defaults'}; measured (4 layers, "
+          f"hidden {args.hidden}, seq {args.seq}, one "
           f"thread): forward {t['forward'] * 1e3:.1f} ms, backward {t['backward'] * 1e3:.1f} ms; split: forward "
           f"{t['split forward'] * 1e3:.1f}, B {t['B'] * 1e3:.1f}, W {t['W'] * 1e3:.1f} ms (split / plain "
           f"{split / plain:.3f})")
