@@ -87,7 +87,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_like import collectives as comm  # noqa: E402
-from megatron_like.config import Config, parse_config  # noqa: E402
+from megatron_like.config import Config, ConfigError, parse_config  # noqa: E402
 from megatron_like.model import GPTModel  # noqa: E402
 from megatron_like.optimizer import param_groups  # noqa: E402
 from megatron_like.parallel_state import ParallelState  # noqa: E402
@@ -135,6 +135,13 @@ ISSUE = Sizes(layers=6, hidden=512, heads=8, seq=256, vocab=50304, global_batch=
 # (393 MiB of states) against tens of MiB of activations; the size at which issue 16's "ZeRO-3 at most 60%
 # of plain dp's peak" is read.
 STATES_DOMINATE = Sizes(layers=8, hidden=512, heads=8, seq=64, vocab=1024, global_batch=4)
+# A pipeline whose step is its layers' GEMMs, as on a real cluster: at --issue-sizes the output layer (vocab 50304
+# x hidden 512, 25.8 M parameters) is 8 transformer layers' worth of GEMM, so the last stage carries most of the
+# work and no schedule can fill the first stage's idle time; GPT-3 175B's output layer is 5% of one of its pp 16
+# stages (6 layers of hidden 12288). Here: 4 layers a stage (2 per V chunk), vocab 1024 (the output layer 4% of a
+# stage), steps of 0.1-0.3 s per micro batch and chunk on one core, so Python per step is under 1% of it.
+COMPUTE_DOMINATES = Sizes(layers=8, hidden=512, heads=8, seq=256, vocab=1024, global_batch=8)
+ZERO_BUBBLE_MODES = ("pp-zb-h1", "pp-zb-v", "pp-dualpipev")  # also timed against our 1F1B on the same model
 
 
 def our_config(mode: str, sizes: Sizes, world: int) -> Config:
@@ -554,9 +561,11 @@ def run_mode(mode: str, sizes: Sizes, steps: int, world: int) -> dict:
     builds = {"ours": lambda: build_ours(config, tokens), "peer": lambda: PEERS[mode][1](config, tokens)}
     if mode in DATA_PARALLEL_MODES:
         builds["floor"] = lambda: build_floor(config, tokens)
+    if mode in ZERO_BUBBLE_MODES:  # the gain over our 1F1B, timed in the same alternation
+        builds["1f1b"] = lambda: build_ours(our_config("pp", sizes, world), tokens)
     stepping, peak, sent = {}, {}, {}
     for side, build in builds.items():
-        stepping[side], peak[side], sent[side] = profiled_side(build, peer=side != "ours")
+        stepping[side], peak[side], sent[side] = profiled_side(build, peer=side in ("peer", "floor"))
     times: dict[str, list[float]] = {side: [] for side in builds}
     cpu: dict[str, list[float]] = {side: [] for side in builds}
     faults: dict[str, list[int]] = {side: [] for side in builds}
@@ -594,7 +603,7 @@ def theory_bytes(mode: str, sizes: Sizes, params: int, world: int) -> float:
 
 def side_name(mode: str, side: str) -> str:
     """The table's name of a side: ours, the mode's PyTorch peer, or the floor."""
-    return {"ours": "megatron_like", "peer": PEERS[mode][0], "floor": FLOOR}[side]
+    return {"ours": "megatron_like", "peer": PEERS[mode][0], "floor": FLOOR, "1f1b": "megatron_like 1F1B"}[side]
 
 
 def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]:
@@ -617,6 +626,16 @@ def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]
     return rows
 
 
+def gain_over_one_f_one_b(mode: str, results: list[dict]) -> str:
+    """A comment line: each side's tokens/s (wall) and CPU seconds per step against our 1F1B on the same model,
+    timed in the same alternation (above 1: more tokens/s, less CPU)."""
+    wall = {side: statistics.median(results[0]["times"][side]) for side in results[0]["times"]}
+    cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in wall}
+    return f"# {mode}: vs megatron_like 1F1B on the same model (wall, CPU): " + ", ".join(
+        f"{side_name(mode, side)} {wall['1f1b'] / wall[side]:.3f}x {cpu['1f1b'] / cpu[side]:.3f}x"
+        for side in ("ours", "peer"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -624,21 +643,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--issue-sizes", action="store_true",
                         help="GPT 6 layers, hidden 512, 8 heads, seq 256, vocab 50304, global batch 8")
+    parser.add_argument("--compute-dominates", action="store_true",
+                        help="GPT 8 layers, hidden 512, 8 heads, seq 256, vocab 1024, global batch 8: the layers' "
+                        "GEMMs dominate every pipeline stage (the zero-bubble comparison)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="glibc keeps freed memory in every rank (MALLOC_MMAP_THRESHOLD_ 32 MiB, "
+                        "MALLOC_TRIM_THRESHOLD_ 1 GiB), as a GPU's caching allocator does: no side pays page "
+                        "faults for memory it freed and allocates again")
     parser.add_argument("--states-dominate", action="store_true",
                         help="GPT 8 layers, hidden 512, 8 heads, seq 64, vocab 1024, global batch 4: parameters, "
                         "gradients and Adam moments dominate the step's activations")
     args = parser.parse_args(argv)
-    if args.issue_sizes and args.states_dominate:
-        parser.error("--issue-sizes and --states-dominate are two presets: pass one")
+    if args.issue_sizes + args.states_dominate + args.compute_dominates > 1:
+        parser.error("--issue-sizes, --states-dominate and --compute-dominates are presets: pass one")
     if args.world_size != 2 and set(args.modes) - set(DATA_PARALLEL_MODES):
         parser.error(f"--world-size {args.world_size}: only {', '.join(DATA_PARALLEL_MODES)} run on other than 2 "
                      "processes (tp and pp are written for 2); pass --modes with those")
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.keep_freed_memory:  # read by glibc when the ranks' fork server starts (tests/distributed/harness.py)
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     from tests.distributed.harness import run_distributed
 
-    sizes = ISSUE if args.issue_sizes else STATES_DOMINATE if args.states_dominate else SMALL
+    sizes = (ISSUE if args.issue_sizes else STATES_DOMINATE if args.states_dominate
+             else COMPUTE_DOMINATES if args.compute_dominates else SMALL)
+    for mode in args.modes:  # a mode these sizes cannot run fails here, not after the modes before it
+        try:
+            our_config(mode, sizes, args.world_size)
+        except ConfigError as error:
+            parser.error(f"--modes {mode} at {sizes}: {error}")
     print(f"# {sizes}, fp32, {args.world_size} processes x 1 thread, {args.steps} timed steps per side, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}" + (", freed memory kept (glibc)" if args.keep_freed_memory else ""))
     print("| mode | implementation | s/step (median) | tokens/s | CPU s/step/rank | peak MiB/rank | sent MiB/rank "
           "| theory MiB/rank | speed vs peer (wall) | (CPU) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -652,6 +686,9 @@ def main(argv: list[str] | None = None) -> None:
         faults = {side: max(statistics.median(r[mode]["faults"][side]) for r in results) for side in sides}
         print(f"# {mode}: minor page faults per step (median, busiest rank): "
               + ", ".join(f"{side_name(mode, side)} {faults[side]:.0f}" for side in sides))
+    for mode in [m for m in args.modes if m in ZERO_BUBBLE_MODES]:
+        print(gain_over_one_f_one_b(mode, [r[mode] for r in results]))
+    print(f"# load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,13 @@ Per micro batch: forward + ``backward()`` (plain), against forward with split op
 (``weight_grad.deferring_weight_grads``) + its W step (``WeightGradWork.run``), as the zero-bubble schedules run
 them. CPU seconds of the process (``time.process_time``), the median of ``--repeats`` rounds; ``--profile`` prints
 torch.profiler's operator table of both, to see where the difference goes.
+
+glibc returns the top of its heap to the system when more than a threshold of it is free, and the split's higher
+peak (each GEMM's output gradient kept from B to W) crosses it where a plain backward does not: the split then
+pays page faults for memory it freed and allocates again. A GPU's caching allocator keeps freed blocks; to
+measure that way here, keep freed memory in the process::
+
+    MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824 .venv/bin/python benchmarks/split_backward_cost.py
 """
 
 from __future__ import annotations
@@ -68,7 +75,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"# load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    print(f"# load average {os.getloadavg()[0]:.1f}, torch {torch.__version__}, glibc malloc {malloc or 'defaults'}")
     print("| hidden | seq | plain ms | split (B + W) ms | split / plain |")
     print("|---:|---:|---:|---:|---:|")
     for hidden, seq in zip(args.hidden, args.seq):

@@ -63,6 +63,13 @@ class WeightGradWork:
         if self.done:
             raise RuntimeError("a W step ran twice for the same micro batch and chunk")
         self.done = True
+        params, grads = self._sum_by_parameter()
+        if params:
+            with torch.enable_grad():
+                torch.autograd.backward(_HandOver.apply(grads, *params))
+
+    def _sum_by_parameter(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Run the closures; return the parameters and the sum of each one's gradients (parked ones included)."""
         totals: dict[int, list] = {}
         pairs, self.parked = self.parked, []
         while pairs or self.closures:
@@ -73,9 +80,30 @@ class WeightGradWork:
                     totals[id(param)] = [param, grad]
             # Dropping each closure once it ran frees what it kept (its op's input and output gradient).
             pairs = self.closures.pop(0)() if self.closures else []
-        if totals:
-            params, grads = zip(*totals.values())
-            torch.autograd.backward(list(params), list(grads))
+        return [param for param, _ in totals.values()], [grad for _, grad in totals.values()]
+
+
+class _HandOver(torch.autograd.Function):
+    """Forward: a scalar zero that depends on ``params``; backward: ``grads`` (popped from their list) as the
+    params' gradients.
+
+    Backpropagating this node hands each gradient to the parameter's ``AccumulateGrad`` as the only reference to
+    it, so, as in a plain backward, a parameter without ``.grad`` takes the tensor itself and one with a ``.grad``
+    adds it in place, and the post-accumulate hooks (the data-parallel buffer's) run once per parameter.
+    ``torch.autograd.backward(params, grads)`` would clone each gradient instead (the caller's list still
+    references it): a copy of every weight gradient and fresh pages for it on every W step.
+    """
+
+    @staticmethod
+    def forward(ctx, grads: list[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _unused: torch.Tensor):
+        grads = tuple(ctx.grads)
+        ctx.grads.clear()
+        return (None, *grads)
 
 
 def is_split() -> bool:

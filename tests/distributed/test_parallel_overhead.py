@@ -8,6 +8,7 @@ ranks sends ``2 n (w - 1) / w`` per rank, an all-gather or reduce-scatter ``n (w
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -157,3 +158,27 @@ def test_floor_runs_in_data_parallel_modes_and_communicates_nothing(figures):
         assert result["peak"]["floor"] > 4 * 4 * result["params"], mode  # params, grads, two Adam moments
         rows = bench.table(mode, TINY, [result], WORLD)
         assert [row.split(" | ")[1] for row in rows] == ["megatron_like", bench.PEERS[mode][0], bench.FLOOR]
+
+
+def test_zero_bubble_modes_time_our_1f1b_on_the_same_model(figures):
+    """Each zero-bubble mode also times our 1F1B on its model (the gain over 1F1B is read from one alternation):
+    that side sends what the pp mode's 1F1B sends, and the comment line gives both sides' ratio to it."""
+    for mode in bench.ZERO_BUBBLE_MODES:
+        result = figures[mode]
+        assert result["sent"]["1f1b"] == figures["pp"]["sent"]["ours"], mode
+        line = bench.gain_over_one_f_one_b(mode, [result])
+        assert line.startswith(f"# {mode}: vs megatron_like 1F1B") and len(re.findall(r"\d\.\d{3}x", line)) == 4, line
+    assert "1f1b" not in figures["pp"]["times"]
+
+
+def test_compute_dominates_preset_keeps_the_output_layer_small_and_modes_are_checked_first(capsys):
+    """``--compute-dominates`` is where the zero-bubble speed is read: the output layer is at most 5% of a pp 2
+    stage's parameters (4 layers), as GPT-3 175B's is of its stages; a mode the chosen sizes cannot run fails
+    before any process starts, naming the rule."""
+    sizes = bench.COMPUTE_DOMINATES
+    layer = 12 * sizes.hidden ** 2
+    assert sizes.vocab * sizes.hidden <= 0.05 * layer * sizes.layers / 2
+    assert sizes.layers % 4 == 0  # every pp mode, the V's two chunks per rank included, runs the same 8 layers
+    with pytest.raises(SystemExit):
+        bench.main(["--issue-sizes", "--modes", "pp-zb-v"])
+    assert "--modes pp-zb-v at Sizes(layers=6" in capsys.readouterr().err

@@ -76,3 +76,37 @@ def test_outside_a_b_step_split_ops_give_their_weight_gradient_at_once():
         loss_of(model, tokens).backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_w_hands_each_gradient_to_grad_without_a_copy_and_runs_the_hooks_once(monkeypatch):
+    """W gives ``AccumulateGrad`` the gradient its GEMM made (no clone: ``weight_grad._HandOver``), then adds the
+    next micro batch's into that same ``.grad`` in place; the post-accumulate hook (the data-parallel buffer's)
+    sees each W once, and the sum is a plain backward's."""
+    weight = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(2)))
+    bias = torch.nn.Parameter(torch.zeros(16))
+    inputs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(3 + i)) for i in range(2)]
+    made, seen = [], []
+    compute = weight_grad._LinearOp.weight_grad
+
+    def recording(*args):
+        dw, db = compute(*args)
+        made.append(dw.data_ptr())
+        return dw, db
+
+    monkeypatch.setattr(weight_grad._LinearOp, "weight_grad", staticmethod(recording))
+
+    def hook(param: torch.Tensor) -> None:
+        if param.grad is not None:  # a B step's AccumulateGrad also calls it, with no gradient
+            seen.append(param.grad.data_ptr())
+
+    weight.register_post_accumulate_grad_hook(hook)
+    for x in inputs:
+        with weight_grad.split_backward():
+            y = weight_grad.linear(x, weight, bias, "mkl")
+            with weight_grad.deferring_weight_grads([weight, bias]) as work:
+                y.square().sum().backward()
+        work.run()
+    assert seen == [made[0], made[0]], "W copied the weight gradient, or its hook ran other than once per W"
+    expected = sum(torch.autograd.grad(torch.nn.functional.linear(x, weight, bias).square().sum(), weight)[0]
+                   for x in inputs)
+    torch.testing.assert_close(weight.grad, expected)
