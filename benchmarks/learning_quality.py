@@ -74,8 +74,11 @@ OURS_GPT = ["--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--at
 # a run at ~1/4 of the pretraining's cost.
 FINETUNE_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
                   "--max-position-embeddings", "128"]
-FINETUNE = ["--num-classes", "8", "--epochs", "2", "--global-batch-size", "32", "--lr", "1e-3", "--log-interval", "10"]
+FINETUNE = ["--num-classes", "8", "--global-batch-size", "32", "--log-interval", "10"]
+FINETUNE_EPOCHS, FINETUNE_LR = 2.0, 1e-3
+"""The recipe's length and peak learning rate (``--finetune-epochs``, ``--finetune-lr``): docs/workflows.md says why."""
 DEV_ACCURACY = re.compile(r"dev set: (\d+) examples \| accuracy: ([0-9.]+)")
+DEV_CURVE = re.compile(r"dev set at iteration (\d+): \d+ examples \| accuracy: ([0-9.]+)")
 MEAN_GOAL, WORST_GOAL = 2.0, 5.0
 """Issue 32's goal, in points of accuracy: ours' mean within 2 of the plain side's, our worst seed within 5 of its."""
 TOP1 = re.compile(r"validation set: (\d+) images \| top-1 accuracy: ([0-9.]+)")
@@ -183,6 +186,7 @@ def demo_data(work: Path) -> tuple[list[str], list[str]]:
 
 def gpt(work: Path, args: argparse.Namespace) -> None:
     data, tokenizer = demo_data(work)
+    args.eval_interval = args.eval_interval or 50
     flags = [*DEMO_GPT, "--eval-interval", str(args.eval_interval), *data, *tokenizer]
     runs: dict[tuple[int, str], tuple[list[str], Path]] = {}
     for seed in args.seeds:
@@ -277,30 +281,51 @@ def finetune_runs(work: Path, args: argparse.Namespace) -> tuple[dict[str, tuple
     if args.rerun or not pretrain_log.exists():
         run([PY, "pretrain_gpt.py", *DEMO_GPT, *data, *tokenizer, *OURS_GPT, "--seed", "1234", "--save",
              str(pretrained)], pretrain_log, args.rerun)
-    task = [*FINETUNE_MODEL, *FINETUNE, *tokenizer, "--pretrained-checkpoint", str(pretrained), "--train-data",
-            str(classes / "train.jsonl"), "--valid-data", str(classes / "dev.jsonl")]
-    ours = ["finetune_gpt_classification.py", *task, "--micro-batch-size", "8", "--tokenizer-type", "GPT2BPETokenizer",
-            "--num-workers", "0"]
+    interval = ["--eval-interval", str(args.eval_interval or 40)]
+    task = [*FINETUNE_MODEL, *FINETUNE, "--epochs", f"{args.finetune_epochs:g}", "--lr", f"{args.finetune_lr:g}",
+            *tokenizer, "--pretrained-checkpoint", str(pretrained), "--train-data", str(classes / "train.jsonl"),
+            "--valid-data", str(classes / "dev.jsonl"), *interval]
+    # Ours through the wrapper that makes each validation a pass over the whole dev set (a curve like the plain
+    # side's); training is finetune_gpt_classification.py's own.
+    ours = ["benchmarks/finetune_dev_curve.py", *task, "--eval-iters", "1", "--micro-batch-size", "8",
+            "--tokenizer-type", "GPT2BPETokenizer", "--num-workers", "0"]
+    recipe = f"e{args.finetune_epochs:g}_lr{args.finetune_lr:g}"  # a log per recipe: none is reused for another
     runs: dict[str, tuple[list[str], Path]] = {}
     for seed in args.seeds:
         s = ["--seed", str(seed)]
-        runs[f"ours, 1 process, seed {seed}"] = ([PY, *ours, *s], work / f"finetune_ours_1proc_seed{seed}.log")
+        runs[f"ours, 1 process, seed {seed}"] = ([PY, *ours, *s], work / f"finetune_{recipe}_ours_1proc_seed{seed}.log")
         runs[f"plain PyTorch fine-tune, seed {seed}"] = (
-            [PY, "benchmarks/plain_gpt_classification.py", *task, *s], work / f"finetune_plain_seed{seed}.log")
+            [PY, "benchmarks/plain_gpt_classification.py", *task, *s],
+            work / f"finetune_{recipe}_plain_seed{seed}.log")
     for seed in args.tp2_pp2_seeds:
         runs[f"ours, tp2 x pp2, seed {seed}"] = ([*TORCHRUN, *ours, *TP2_PP2, "--seed", str(seed)],
-                                                 work / f"finetune_ours_tp2pp2_seed{seed}.log")
+                                                 work / f"finetune_{recipe}_ours_tp2pp2_seed{seed}.log")
     for seed in args.tp2_seeds:
         runs[f"ours, tp2, seed {seed}"] = (
             [*TORCHRUN[:-1], "--nproc_per_node=2", *ours, "--tensor-model-parallel-size", "2", "--seed", str(seed)],
-            work / f"finetune_ours_tp2_seed{seed}.log")
+            work / f"finetune_{recipe}_ours_tp2_seed{seed}.log")
     return runs, classes
+
+
+def dev_curves(outputs: dict[str, str]) -> None:
+    """Print each seed's dev accuracy curves (whole dev set at every evaluation), one column per run."""
+    curves = {name: curve(DEV_CURVE, out) for name, out in outputs.items()}
+    seeds = dict.fromkeys(name.rsplit(", seed ", 1)[1] for name in curves)
+    for seed in seeds:
+        names = [name for name in curves if name.endswith(f", seed {seed}")]
+        sides = [name.rsplit(", seed", 1)[0] for name in names]
+        print(f"\nseed {seed}: dev accuracy (%) over the whole dev set\n")
+        print("| iteration | " + " | ".join(sides) + " |\n" + "|---" * (len(sides) + 1) + "|")
+        for it in sorted(set().union(*(curves[name] for name in names))):
+            print(f"| {it} | " + " | ".join(f"{curves[name].get(it, float('nan')):.2f}" for name in names) + " |")
 
 
 def finetune(work: Path, args: argparse.Namespace) -> None:
     runs, classes = finetune_runs(work, args)
-    score_tables(run_all(runs, args.jobs, args.rerun), DEV_ACCURACY, "dev accuracy", "dev accuracy %",
-                 (20, 40, 60, 80))
+    outputs = run_all(runs, args.jobs, args.rerun)
+    dev_curves(outputs)
+    last = max(curve(TRAIN_LOSS, next(iter(outputs.values()))))
+    score_tables(outputs, DEV_ACCURACY, "dev accuracy", "dev accuracy %", tuple(range(last // 4, last + 1, last // 4)))
     for setting, accuracy in tfidf_baseline(classes).items():
         print(f"| TF-IDF + logistic regression ({setting}) | {accuracy:.2f} |")
 
@@ -315,7 +340,12 @@ def main(argv: list[str] | None = None) -> None:
                              "(4 processes)")
     parser.add_argument("--tp2-seeds", type=int, nargs="*", default=[],
                         help="finetune: seeds also fine-tuned by ours at tp2 (2 processes)")
-    parser.add_argument("--eval-interval", type=int, default=50, help="gpt: iterations between validations")
+    parser.add_argument("--eval-interval", type=int, default=None,
+                        help="iterations between validations (gpt: 50 by default; finetune: 40, one epoch, each a "
+                             "pass over the whole dev set)")
+    parser.add_argument("--finetune-epochs", type=float, default=FINETUNE_EPOCHS,
+                        help="finetune: --epochs of both sides")
+    parser.add_argument("--finetune-lr", type=float, default=FINETUNE_LR, help="finetune: --lr of both sides")
     parser.add_argument("--float-control-seeds", type=int, nargs="*", default=[],
                         help="gpt: seeds also trained by the plain GPT and ours (1 process) at micro batch 8 (the "
                              "same global batch summed in another order: the spread float rounding alone gives)")
