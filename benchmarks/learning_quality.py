@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/learning_quality.py gpt --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
     .venv/bin/python benchmarks/learning_quality.py vit --seeds 1234 1 2 3 4 --tp2-pp2-seeds 1234 1 2 3 4
-    .venv/bin/python benchmarks/learning_quality.py finetune --seeds 1234 1 2 3 4 --tp2-pp2-seeds 1234 1 2 3 4
+    .venv/bin/python benchmarks/learning_quality.py finetune --seeds 1234 1 2 3 4 5 6 7 8 9 --tp2-pp2-seeds 1234 1
 
 ``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing; the
 validation loss every ``--eval-interval`` iterations, 50 by default, on the same samples for every run),
@@ -27,10 +27,13 @@ One GPT is pretrained once (``pretrain_gpt.py``, the ``gpt`` recipe, seed 1234, 
 seed, ``finetune_gpt_classification.py`` fine-tunes ours in one process (at tp2 x pp2 for the
 ``--tp2-pp2-seeds``, with 2 tensor-parallel processes for the ``--tp2-seeds``) and
 ``benchmarks/plain_gpt_classification.py`` the plain one (PyTorch's defaults for the head, the update and the data
-order) from the same pretrained body on the same tokenized examples (``FINETUNE``: 2 epochs of 64-token
+order) from the same pretrained body on the same tokenized examples (``FINETUNE``: 5 epochs of 64-token
 sequences, global batch 32, lr 1e-3, warmup 10% then linear decay, dropout 0.1; ours adds its own defaults:
-weight decay 0.01 on matrices only, clip 1.0). It prints the dev accuracy of every run, each side's mean and
-spread, the goal check, and TF-IDF + logistic regression (scikit-learn, if installed) on the same split for scale.
+weight decay 0.01 on matrices only, clip 1.0; 5 epochs because dev accuracy plateaus there, docs/workflows.md).
+Both sides evaluate the whole dev set every ``--eval-interval`` iterations (ours through
+``benchmarks/finetune_dev_curve.py``). It prints every seed's dev accuracy curves, the final dev accuracy of every
+run, each side's mean and spread, the goal check, and TF-IDF + logistic regression (scikit-learn, if installed) on
+the same split for scale.
 
 Goal check (``vit`` and ``finetune``): each of our sides against the plain one, over their seeds: our mean within
 ``MEAN_GOAL`` points of the plain mean and our worst seed within ``WORST_GOAL`` points of the plain worst.
@@ -71,11 +74,11 @@ OURS_GPT = ["--max-position-embeddings", "128", "--hidden-dropout", "0.0", "--at
 # The fine-tune: the pretrained GPT's shape, then finetune_gpt_classification.py's recipe (its defaults: warmup
 # 10% of the iterations, linear decay to 0, weight decay 0.01, clip 1.0, dropout 0.1; the plain side's too).
 # Sequences of 64 tokens (a docstring is cut to 600 characters, ~130 tokens: the first half names its topic) keep
-# a run at ~1/4 of the pretraining's cost.
+# a 5-epoch run (200 iterations) at ~2/3 of the pretraining's tokens.
 FINETUNE_MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "64",
                   "--max-position-embeddings", "128"]
 FINETUNE = ["--num-classes", "8", "--global-batch-size", "32", "--log-interval", "10"]
-FINETUNE_EPOCHS, FINETUNE_LR = 2.0, 1e-3
+FINETUNE_EPOCHS, FINETUNE_LR = 5.0, 1e-3
 """The recipe's length and peak learning rate (``--finetune-epochs``, ``--finetune-lr``): docs/workflows.md says why."""
 DEV_ACCURACY = re.compile(r"dev set: (\d+) examples \| accuracy: ([0-9.]+)")
 DEV_CURVE = re.compile(r"dev set at iteration (\d+): \d+ examples \| accuracy: ([0-9.]+)")
@@ -281,7 +284,7 @@ def finetune_runs(work: Path, args: argparse.Namespace) -> tuple[dict[str, tuple
     if args.rerun or not pretrain_log.exists():
         run([PY, "pretrain_gpt.py", *DEMO_GPT, *data, *tokenizer, *OURS_GPT, "--seed", "1234", "--save",
              str(pretrained)], pretrain_log, args.rerun)
-    interval = ["--eval-interval", str(args.eval_interval or 40)]
+    interval = ["--eval-interval", str(args.eval_interval or 20)]
     task = [*FINETUNE_MODEL, *FINETUNE, "--epochs", f"{args.finetune_epochs:g}", "--lr", f"{args.finetune_lr:g}",
             *tokenizer, "--pretrained-checkpoint", str(pretrained), "--train-data", str(classes / "train.jsonl"),
             "--valid-data", str(classes / "dev.jsonl"), *interval]
@@ -318,6 +321,16 @@ def dev_curves(outputs: dict[str, str]) -> None:
         print("| iteration | " + " | ".join(sides) + " |\n" + "|---" * (len(sides) + 1) + "|")
         for it in sorted(set().union(*(curves[name] for name in names))):
             print(f"| {it} | " + " | ".join(f"{curves[name].get(it, float('nan')):.2f}" for name in names) + " |")
+    by_side: dict[str, list[dict[int, float]]] = {}
+    for name, points in curves.items():
+        by_side.setdefault(name.rsplit(", seed", 1)[0], []).append(points)
+    iterations = sorted(set().union(*curves.values()))
+    print("\nmean dev accuracy (%) over each side's seeds (runs that evaluated that iteration)\n")
+    print("| iteration | " + " | ".join(f"{side} ({len(runs)} runs)" for side, runs in by_side.items()) + " |")
+    print("|---" * (len(by_side) + 1) + "|")
+    for it in iterations:
+        means = [[points[it] for points in runs if it in points] for runs in by_side.values()]
+        print(f"| {it} | " + " | ".join(f"{statistics.mean(m):.2f}" if m else "" for m in means) + " |")
 
 
 def finetune(work: Path, args: argparse.Namespace) -> None:
@@ -341,8 +354,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tp2-seeds", type=int, nargs="*", default=[],
                         help="finetune: seeds also fine-tuned by ours at tp2 (2 processes)")
     parser.add_argument("--eval-interval", type=int, default=None,
-                        help="iterations between validations (gpt: 50 by default; finetune: 40, one epoch, each a "
-                             "pass over the whole dev set)")
+                        help="iterations between validations (gpt: 50 by default; finetune: 20, each a pass over "
+                             "the whole dev set)")
     parser.add_argument("--finetune-epochs", type=float, default=FINETUNE_EPOCHS,
                         help="finetune: --epochs of both sides")
     parser.add_argument("--finetune-lr", type=float, default=FINETUNE_LR, help="finetune: --lr of both sides")
