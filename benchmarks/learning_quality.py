@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/learning_quality.py gpt --seeds 1234 1 2 --tp2-pp2-seeds 1234 --jobs 2
     .venv/bin/python benchmarks/learning_quality.py vit --seeds 1234 1 2 3 4 --tp2-pp2-seeds 1234 1 2 3 4
-    .venv/bin/python benchmarks/learning_quality.py finetune --seeds 1234 1 2 3 4 5 6 7 8 9 --tp2-pp2-seeds 1234 1
+    .venv/bin/python benchmarks/learning_quality.py finetune --seeds 1234 1 2 3 4 5 6 7 8 9 --tp2-pp2-seeds 1234 1 2
 
 ``gpt``: the corpus, tokenizer and flags of ``scripts/demo.sh`` (built under ``--work-dir`` if missing; the
 validation loss every ``--eval-interval`` iterations, 50 by default, on the same samples for every run),
@@ -336,6 +336,10 @@ def dev_curves(outputs: dict[str, str]) -> None:
 def finetune(work: Path, args: argparse.Namespace) -> None:
     runs, classes = finetune_runs(work, args)
     outputs = run_all(runs, args.jobs, args.rerun)
+    for name, out in outputs.items():  # the curve's last point is the final whole-dev evaluation, or it is not one
+        points, final = curve(DEV_CURVE, out), DEV_ACCURACY.search(out).group(2)
+        if points and max(points) == max(curve(TRAIN_LOSS, out)) and points[max(points)] != float(final):
+            raise SystemExit(f"{name}: the dev curve ends at {points[max(points)]}%, the final evaluation at {final}%")
     dev_curves(outputs)
     last = max(curve(TRAIN_LOSS, next(iter(outputs.values()))))
     score_tables(outputs, DEV_ACCURACY, "dev accuracy", "dev accuracy %", tuple(range(last // 4, last + 1, last // 4)))
