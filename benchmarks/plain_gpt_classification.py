@@ -106,13 +106,18 @@ def tensors(dataset) -> TensorDataset:
 
 @torch.no_grad()
 def evaluate(model: PlainGPTClassifier, dataset: TensorDataset, batch_size: int) -> dict[str, float]:
-    """Accuracy and mean loss over all of ``dataset``, in eval mode (no dropout)."""
+    """Accuracy and mean loss over all of ``dataset``, in eval mode (no dropout).
+
+    The global RNG is left as it was (a ``DataLoader`` draws a seed from it), so evaluating during training
+    (``--eval-interval``) does not change the training's masks and order.
+    """
     model.eval()
     correct, loss_sum = 0, 0.0
-    for tokens, last_index, label in DataLoader(dataset, batch_size=batch_size):
-        logits = model(tokens, last_index).float()
-        correct += int((logits.argmax(-1) == label).sum())
-        loss_sum += F.cross_entropy(logits, label, reduction="sum").item()
+    with torch.random.fork_rng(devices=[]):
+        for tokens, last_index, label in DataLoader(dataset, batch_size=batch_size):
+            logits = model(tokens, last_index).float()
+            correct += int((logits.argmax(-1) == label).sum())
+            loss_sum += F.cross_entropy(logits, label, reduction="sum").item()
     model.train()
     return {"accuracy": correct / len(dataset), "loss": loss_sum / len(dataset), "samples": len(dataset)}
 
@@ -170,6 +175,10 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                 accuracy = (logits.argmax(-1) == label).float().mean().item()
                 print(f" iteration {iteration:4d}/{train_iters:4d} | loss: {loss.item():.6E} | accuracy: "
                       f"{accuracy:.4f} |", flush=True)
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                metrics = evaluate(model, dev, args.batch_size)
+                print(f" dev set at iteration {iteration}: {metrics['samples']} examples | accuracy: "
+                      f"{100 * metrics['accuracy']:.2f} | loss: {metrics['loss']:.6E} |", flush=True)
             if iteration == train_iters:
                 break
     metrics = evaluate(model, dev, args.batch_size)
@@ -201,6 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's default, on every parameter")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--eval-interval", type=int, default=0,
+                        help="evaluate the whole dev set every this many iterations (0: only at the end)")
     parser.add_argument("--as-ours", nargs="*", choices=AS_OURS, default=[],
                         help="swap these choices for ours (an ablation; default: none, PyTorch's defaults)")
     return parser.parse_args(argv)

@@ -80,3 +80,16 @@ def test_plain_head_is_pytorch_default_not_ours(plain):
     bound = HIDDEN**-0.5
     assert weight.abs().max() <= bound and weight.abs().max() > 0.8 * bound
     assert abs(weight.std().item() / (bound / 3**0.5) - 1) < 0.15, f"plain head: std {weight.std():.4f}"
+
+
+def test_plain_evaluation_leaves_the_training_rng_alone(plain):
+    """``--eval-interval`` evaluates the dev set during training; the masks and the order drawn after it must be
+    the ones a run without it draws (a ``DataLoader`` takes a seed from the global RNG)."""
+    torch.manual_seed(1234)
+    model = plain.PlainGPTClassifier(VOCAB, SEQ, LAYERS, HIDDEN, HEADS, CLASSES)
+    dev = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (6, SEQ)), torch.full((6,), SEQ - 1),
+                                         torch.randint(0, CLASSES, (6,)))
+    before = torch.get_rng_state()
+    metrics = plain.evaluate(model, dev, batch_size=4)
+    assert metrics["samples"] == 6 and model.training
+    assert torch.equal(torch.get_rng_state(), before)
