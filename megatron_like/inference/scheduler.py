@@ -28,6 +28,7 @@ import torch
 
 from megatron_like import collectives as comm
 from megatron_like.inference.batching import ENDED, FAILED, Admission, BatchEngine, StepOutput, broadcast_choices
+from megatron_like.inference.detokenize import IncrementalText, first_stop
 from megatron_like.inference.generation import process_logits
 from megatron_like.inference.loading import InferenceModel
 from megatron_like.inference.serving import Outcome, attempt, broadcast_request, serve_request
@@ -72,6 +73,11 @@ class Choice:
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
+    """The answer's text so far (cut before a stop string)."""
+    decoded: IncrementalText | None = None
+    """The text of ``tokens`` (end of text excluded), decoded a few tokens at a time."""
+    searched: int = 0
+    """Characters of the decoded text searched for stop strings and final (``first_stop``'s ``start``)."""
     sent: int = 0
     """Characters of ``text`` already streamed."""
     sent_tokens: int = 0
@@ -299,10 +305,13 @@ class Scheduler:
             choice.top_logprobs.append(list(zip(best.indices.tolist(), best.values.tolist())) if best else [])
             choice.token_logprobs.append(float(logp[token]))
         choice.tokens.append(token)
-        text = self.detokenize(choice.tokens[:-1] if token == self.loaded.eod else choice.tokens)
-        stops = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
-        choice.text = text[: min(stops)] if stops else text
-        if token == self.loaded.eod or stops:
+        if choice.decoded is None:
+            choice.decoded = IncrementalText(self.detokenize)
+        text = choice.decoded.push(token) if token != self.loaded.eod else choice.decoded.text
+        stop = first_stop(text, sampling.stop, choice.searched) if sampling.stop else None
+        choice.searched = len(choice.decoded.confirmed)
+        choice.text = text if stop is None else text[:stop]
+        if token == self.loaded.eod or stop is not None:
             choice.finish_reason = "stop"
         elif len(choice.tokens) >= sampling.max_tokens or len(job.ids) + len(choice.tokens) >= self.engine.max_length:
             choice.finish_reason = "length"
