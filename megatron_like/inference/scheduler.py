@@ -89,8 +89,8 @@ class Choice:
 
 @dataclass
 class Job:
-    """One prompt of a request and its choices; ``events`` gets ``"update"`` after each step that changed it and
-    ``"done"`` once every choice ended (or ``("error", status, message)``)."""
+    """One prompt of a request and its choices; ``events`` gets ``"done"`` once every choice ended (or failed: then
+    ``error`` is set) and, for a streamed job, ``"update"`` after each step that changed it."""
 
     ids: list[int]
     sampling: Sampling
@@ -102,6 +102,9 @@ class Job:
     error: tuple[int, str] | None = None
     cancelled: bool = False
     """Its client left (:meth:`Scheduler.cancel`): its slots are freed at the next step, nothing more is generated."""
+    streamed: bool = False
+    """Its handler streams the text as it comes: wake it after every step (a plain answer waits for ``"done"`` only,
+    so its handler thread does not wake, and take the GIL from the engine thread, at every step)."""
 
     def __post_init__(self) -> None:
         self.choices = [Choice(self.first_index + i) for i in range(self.sampling.n)]
@@ -331,7 +334,7 @@ class Scheduler:
         for job in changed.values():
             if job.error is not None or job.done:
                 job.events.put("done")
-            else:
+            elif job.streamed:
                 job.events.put("update")
 
 
