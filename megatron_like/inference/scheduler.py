@@ -322,10 +322,11 @@ class Scheduler:
     def _commit(self, jobs: list[Job], out: StepOutput, choices: torch.Tensor | None) -> None:
         moves = self.engine.commit(out.rows, choices) if choices is not None else {}
         changed = {id(job): job for job in jobs}
-        for row, slot in enumerate(out.rows):
+        flags = choices[:, 1].tolist() if choices is not None else []  # one conversion, not a tensor index per row
+        for slot, flag in zip(out.rows, flags):
             job, choice = self.active[slot]
             changed[id(job)] = job
-            if int(choices[row, 1]) in (ENDED, FAILED):
+            if flag in (ENDED, FAILED):
                 del self.active[slot]
         for old, new in moves.items():  # the engine moved these sequences down (BatchEngine.commit)
             job, choice = self.active.pop(old)
