@@ -98,7 +98,9 @@ class Job:
     """Index of this prompt's first choice in the answer (prompt i of a list: i * n)."""
     choices: list[Choice] = field(default_factory=list)
     prompt_scores: torch.Tensor | None = None
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    """Its handler's wake-ups (SimpleQueue: a put is one C call, where ``queue.Queue``'s takes a Python lock and
+    condition, on the engine thread, for every job at every step)."""
     error: tuple[int, str] | None = None
     cancelled: bool = False
     """Its client left (:meth:`Scheduler.cancel`): its slots are freed at the next step, nothing more is generated."""
@@ -119,7 +121,7 @@ class LegacyJob:
     """A ``PUT /api`` request: served whole by ``serving.serve_request`` between two batched steps."""
 
     request: dict
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     outcome: object = None
 
 
