@@ -1,6 +1,7 @@
 """The server's answer text, decoded a few tokens at a time (megatron_like/inference/detokenize.py), equals one decode
 of every token after each token: GPT-2's byte-level BPE with characters split over several tokens and random ids
-(invalid UTF-8 included), a space-separated id list; stop strings that span tokens or a split character end the
+(invalid UTF-8 included), a space-separated id list, a SentencePiece-style tokenizer whose tokens decoded alone lose
+their leading space; stop strings that span tokens or a split character end the
 answer at the same token and cut it at the same place as a search of the whole text."""
 
 from __future__ import annotations
@@ -36,10 +37,24 @@ def sequences(gpt2) -> list[list[int]]:
     return [ids] + noise + bytes_only
 
 
+def metaspace_tokenizer():
+    """A SentencePiece-style BPE (``▁`` for spaces; decoding drops the leading one), trained on two lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tokenizer.train_from_iterator(["hello world, the quick brown fox", "héllo wörld again"] * 5,
+                                  trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>"]))
+    return tokenizer
+
+
 def test_text_equals_one_decode_of_every_token_after_each_token(gpt2):
-    null = NullTokenizer(1000)
+    null, metaspace = NullTokenizer(1000), metaspace_tokenizer()
+    spaced = metaspace.encode("hello the quick wörld again").ids
+    assert metaspace.decode(spaced[1:2]) == "the"  # alone a token loses its space: the window's context keeps it
     cases = [(gpt2.detokenize, ids) for ids in sequences(gpt2)]
-    cases += [(null.detokenize, [5, 17, 0, 999, 3]), (lambda ids: "".join(f" {t}" for t in ids), [5, 17, 0, 3])]
+    cases += [(null.detokenize, [5, 17, 0, 999, 3]), (lambda ids: "".join(f" {t}" for t in ids), [5, 17, 0, 3]),
+              (lambda ids: metaspace.decode(list(ids)), spaced)]
     for case, (detokenize, ids) in enumerate(cases):
         decoded = IncrementalText(detokenize)
         for k, token in enumerate(ids, 1):
