@@ -1,24 +1,19 @@
 """The server's answer text, decoded a few tokens at a time (megatron_like/inference/detokenize.py), equals one decode
 of every token after each token: GPT-2's byte-level BPE with characters split over several tokens and random ids
 (invalid UTF-8 included), a space-separated id list, a SentencePiece-style tokenizer whose tokens decoded alone lose
-their leading space; stop strings that span tokens or a split character end the
-answer at the same token and cut it at the same place as a search of the whole text."""
+their leading space; stop strings that span tokens or a split character end the answer at the same token and cut it
+at the same place as a search of the whole text."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
-import torch
 
-from megatron_like.config import ModelConfig
 from megatron_like.data.tokenizer import NullTokenizer, build_tokenizer
-from megatron_like.inference.batching import BatchEngine
 from megatron_like.inference.detokenize import IncrementalText, first_stop
-from megatron_like.inference.loading import InferenceModel
 from megatron_like.inference.scheduler import Job, Sampling, Scheduler
-from megatron_like.model import GPTModel
-from megatron_like.parallel_state import ParallelState
 
 TEXT = "héllo 🤖 世界! naïve café 🇫🇷 ok 😀😀 end"
 
@@ -80,12 +75,9 @@ def test_first_stop_equals_a_search_of_the_whole_text():
 
 
 def test_the_scheduler_ends_at_a_stop_spanning_tokens_and_a_split_character(gpt2):
-    # _record reads only the end-of-text id and the positions: a tiny vocabulary keeps the model cheap to build
-    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=64, hidden_dropout=0.0,
-                         attention_dropout=0.0, vocab_size=64)
-    model = GPTModel(config, ParallelState.single_process(torch.device("cpu")), vocab_size=64, seed=1)
-    loaded = InferenceModel([model], type("Config", (), {"model": config})(), gpt2, 64, gpt2.eod)
-    scheduler = Scheduler(loaded, BatchEngine(loaded, 1), gpt2.detokenize, max_queued=1)
+    # _record reads only the end-of-text id and the positions of the model: no model is built
+    loaded, engine = SimpleNamespace(eod=gpt2.eod), SimpleNamespace(max_length=64)
+    scheduler = Scheduler(loaded, engine, gpt2.detokenize, max_queued=1)
     ids = gpt2.tokenize(TEXT)
     for stop in ["o 🤖 世", "🤖", "界!", "é 🇫", "😀😀 e", "never"]:
         job = Job([1], Sampling(max_tokens=len(ids) + 1, temperature=0, stop=[stop, "zz"]))
