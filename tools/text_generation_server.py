@@ -46,6 +46,7 @@ import select
 import socket
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
@@ -278,6 +279,8 @@ def make_handler(server: Server, request_timeout: float = 60.0):
                 jobs, stream, body = routes[path](raw, server)
             except RequestError as error:
                 return self.refuse(400, str(error))
+            for job in jobs:
+                job.streamed = stream
             try:
                 server.scheduler.submit(jobs)
             except QueueFullError as error:
@@ -286,7 +289,7 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             if stream:
                 return self.stream(jobs, chat, body)
             for job in jobs:
-                while wait(job, timeout=0.1) != "done":  # wakes at every step of the job, or every 0.1 s
+                while wait(job, timeout=0.1) != "done":  # wakes every 0.1 s to see whether the client left
                     if self.client_gone():
                         return self.abandon(jobs)
             failed = [job.error for job in jobs if job.error is not None]
@@ -330,27 +333,32 @@ def make_handler(server: Server, request_timeout: float = 60.0):
             self.send_header("Cache-Control", "no-cache")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            kind = "chat.completion.chunk" if chat else "text_completion"
+            # Every chunk of one completion has the same id, object, created and model (as OpenAI's): serialized once.
+            head = json.dumps({"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                               "object": "chat.completion.chunk" if chat else "text_completion", "created": now(),
+                               "model": server.model_name})[:-1].encode()
 
             def send(data: bytes) -> None:
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                 self.wfile.flush()
 
             def event(choices: list, **extra) -> None:
-                payload = {"id": ident, "object": kind, "created": now(), "model": server.model_name,
-                           "choices": choices, **extra}
-                send(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                send(b"data: " + head + b", " + json.dumps({"choices": choices, **extra})[1:].encode() + b"\n\n")
 
             try:
                 if chat:  # OpenAI's first chunk gives the role
                     event([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for c in jobs[0].choices])
                 pending = list(jobs)
+                checked = time.monotonic()
                 while pending:
                     state = wait(pending[0], timeout=0.05)
-                    if self.client_gone():  # before a write to a closed socket would tell (if it ever comes)
-                        return self.abandon(jobs)
+                    # Before a write to a closed socket would tell (if it ever comes); at most every 0.05 s, not at
+                    # every step: a check is a system call, and each one hands the GIL back and forth.
+                    if state is None or time.monotonic() - checked >= 0.05:
+                        if self.client_gone():
+                            return self.abandon(jobs)
+                        checked = time.monotonic()
                     for job in jobs:
                         pieces = [p for p in (stream_piece(server, job, c, chat) for c in job.choices) if p]
                         if pieces:

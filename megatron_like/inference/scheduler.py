@@ -28,6 +28,7 @@ import torch
 
 from megatron_like import collectives as comm
 from megatron_like.inference.batching import ENDED, FAILED, Admission, BatchEngine, StepOutput, broadcast_choices
+from megatron_like.inference.detokenize import IncrementalText, first_stop
 from megatron_like.inference.generation import process_logits
 from megatron_like.inference.loading import InferenceModel
 from megatron_like.inference.serving import Outcome, attempt, broadcast_request, serve_request
@@ -72,6 +73,11 @@ class Choice:
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
+    """The answer's text so far (cut before a stop string)."""
+    decoded: IncrementalText | None = None
+    """The text of ``tokens`` (end of text excluded), decoded a few tokens at a time."""
+    searched: int = 0
+    """Characters of the decoded text searched for stop strings and final (``first_stop``'s ``start``)."""
     sent: int = 0
     """Characters of ``text`` already streamed."""
     sent_tokens: int = 0
@@ -83,8 +89,8 @@ class Choice:
 
 @dataclass
 class Job:
-    """One prompt of a request and its choices; ``events`` gets ``"update"`` after each step that changed it and
-    ``"done"`` once every choice ended (or ``("error", status, message)``)."""
+    """One prompt of a request and its choices; ``events`` gets ``"done"`` once every choice ended (or failed: then
+    ``error`` is set) and, for a streamed job, ``"update"`` after each step that changed it."""
 
     ids: list[int]
     sampling: Sampling
@@ -92,10 +98,15 @@ class Job:
     """Index of this prompt's first choice in the answer (prompt i of a list: i * n)."""
     choices: list[Choice] = field(default_factory=list)
     prompt_scores: torch.Tensor | None = None
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    """Its handler's wake-ups (SimpleQueue: a put is one C call, where ``queue.Queue``'s takes a Python lock and
+    condition, on the engine thread, for every job at every step)."""
     error: tuple[int, str] | None = None
     cancelled: bool = False
     """Its client left (:meth:`Scheduler.cancel`): its slots are freed at the next step, nothing more is generated."""
+    streamed: bool = False
+    """Its handler streams the text as it comes: wake it after every step (a plain answer waits for ``"done"`` only,
+    so its handler thread does not wake, and take the GIL from the engine thread, at every step)."""
 
     def __post_init__(self) -> None:
         self.choices = [Choice(self.first_index + i) for i in range(self.sampling.n)]
@@ -110,7 +121,7 @@ class LegacyJob:
     """A ``PUT /api`` request: served whole by ``serving.serve_request`` between two batched steps."""
 
     request: dict
-    events: queue.Queue = field(default_factory=queue.Queue)
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     outcome: object = None
 
 
@@ -299,10 +310,13 @@ class Scheduler:
             choice.top_logprobs.append(list(zip(best.indices.tolist(), best.values.tolist())) if best else [])
             choice.token_logprobs.append(float(logp[token]))
         choice.tokens.append(token)
-        text = self.detokenize(choice.tokens[:-1] if token == self.loaded.eod else choice.tokens)
-        stops = [i for i in (text.find(s) for s in sampling.stop) if i >= 0]
-        choice.text = text[: min(stops)] if stops else text
-        if token == self.loaded.eod or stops:
+        if choice.decoded is None:
+            choice.decoded = IncrementalText(self.detokenize)
+        text = choice.decoded.push(token) if token != self.loaded.eod else choice.decoded.text
+        stop = first_stop(text, sampling.stop, choice.searched) if sampling.stop else None
+        choice.searched = len(choice.decoded.confirmed)
+        choice.text = text if stop is None else text[:stop]
+        if token == self.loaded.eod or stop is not None:
             choice.finish_reason = "stop"
         elif len(choice.tokens) >= sampling.max_tokens or len(job.ids) + len(choice.tokens) >= self.engine.max_length:
             choice.finish_reason = "length"
@@ -310,10 +324,11 @@ class Scheduler:
     def _commit(self, jobs: list[Job], out: StepOutput, choices: torch.Tensor | None) -> None:
         moves = self.engine.commit(out.rows, choices) if choices is not None else {}
         changed = {id(job): job for job in jobs}
-        for row, slot in enumerate(out.rows):
+        flags = choices[:, 1].tolist() if choices is not None else []  # one conversion, not a tensor index per row
+        for slot, flag in zip(out.rows, flags):
             job, choice = self.active[slot]
             changed[id(job)] = job
-            if int(choices[row, 1]) in (ENDED, FAILED):
+            if flag in (ENDED, FAILED):
                 del self.active[slot]
         for old, new in moves.items():  # the engine moved these sequences down (BatchEngine.commit)
             job, choice = self.active.pop(old)
@@ -322,7 +337,7 @@ class Scheduler:
         for job in changed.values():
             if job.error is not None or job.done:
                 job.events.put("done")
-            else:
+            elif job.streamed:
                 job.events.put("update")
 
 

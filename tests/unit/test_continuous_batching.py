@@ -187,3 +187,18 @@ def test_the_queue_is_bounded():
     scheduler.submit([Job([1], Sampling()), Job([2], Sampling())])
     with pytest.raises(QueueFullError, match="full"):
         scheduler.submit([Job([3], Sampling())])
+
+
+def test_only_a_streamed_job_is_woken_at_every_step():
+    """A plain answer's handler waits for "done" alone: waking 16 handler threads at every step made them take the
+    GIL from the engine thread for nothing."""
+    loaded = tiny_loaded("gpt2")
+    scheduler = Scheduler(loaded, BatchEngine(loaded, 2), str, max_queued=2)
+    plain = Job([1, 2], Sampling(max_tokens=4, temperature=0))
+    streamed = Job([3], Sampling(max_tokens=4, temperature=0), streamed=True)
+    scheduler.submit([plain, streamed])
+    while not (plain.done and streamed.done):
+        scheduler.step()
+    plain_events, streamed_events = ([job.events.get_nowait() for _ in range(job.events.qsize())]
+                                     for job in (plain, streamed))
+    assert plain_events == ["done"] and streamed_events == ["update"] * 3 + ["done"]
