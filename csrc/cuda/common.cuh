@@ -42,6 +42,10 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+// Column reductions over rows (the norms' weight gradients): a block of kColumnTile x kRowLanes threads.
+constexpr int kColumnTile = 32;
+constexpr int kRowLanes = 32;
+
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];
   const int lane = threadIdx.x % 32;

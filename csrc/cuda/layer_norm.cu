@@ -31,8 +31,8 @@ void layer_norm_backward(std::uintptr_t dy, std::uintptr_t dsum, std::uintptr_t 
     layer_norm_backward_input_kernel<T><<<static_cast<unsigned>(n), kLayerNormThreads, 0, as_stream(stream)>>>(
         dy_t, reinterpret_cast<const T*>(dsum), s_t, reinterpret_cast<const T*>(gamma),
         reinterpret_cast<const float*>(mean), reinterpret_cast<const float*>(rstd), reinterpret_cast<T*>(ds), h);
-    const unsigned column_blocks = static_cast<unsigned>((h + kLayerNormThreads - 1) / kLayerNormThreads);
-    layer_norm_backward_params_kernel<T><<<column_blocks, kLayerNormThreads, 0, as_stream(stream)>>>(
+    const unsigned column_blocks = static_cast<unsigned>((h + kColumnTile - 1) / kColumnTile);
+    layer_norm_backward_params_kernel<T><<<column_blocks, dim3(kColumnTile, kRowLanes), 0, as_stream(stream)>>>(
         dy_t, s_t, reinterpret_cast<const T*>(ds), reinterpret_cast<const float*>(mean),
         reinterpret_cast<const float*>(rstd), reinterpret_cast<T*>(dgamma), reinterpret_cast<T*>(dbeta),
         reinterpret_cast<T*>(dx_bias), n, h);

@@ -72,6 +72,7 @@ def accum_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 CUDA_TWINS = (
+    "bias_gelu",
     "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax",
     "layer_norm",

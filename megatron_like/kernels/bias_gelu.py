@@ -13,8 +13,7 @@ import math
 
 import torch
 
-from megatron_like.kernels._common import cpu_supported, dtype_code, threads
-from megatron_like.kernels._loader import load
+from megatron_like.kernels._common import dtype_code, pick_kernel
 
 _BETA = math.sqrt(2.0 / math.pi)
 _KAPPA = 0.044715
@@ -41,19 +40,20 @@ def _bias_gelu_backward_torch(dy: torch.Tensor, x: torch.Tensor, bias: torch.Ten
 
 
 class BiasGeLU(torch.autograd.Function):
-    """y = gelu_tanh(x + bias) for ``x`` ``[..., h]``, ``bias`` ``[h]``."""
+    """y = gelu_tanh(x + bias) for ``x`` ``[..., h]``, ``bias`` ``[h]``: the compiled kernel (CPU, or the CUDA twin
+    ``csrc/cuda/bias_gelu.cu``) when one takes the tensors, else the PyTorch ops in float32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        module = load("bias_gelu") if cpu_supported(x, bias) else None
-        if module is not None:
+        kernel = pick_kernel("bias_gelu", x, bias)
+        if kernel is not None:
+            module, last_arg = kernel
             x = x.contiguous()
             bias = bias.contiguous()
             y = torch.empty_like(x)
             h = x.shape[-1]
-            module.forward(
-                x.data_ptr(), bias.data_ptr(), y.data_ptr(), x.numel() // h, h, dtype_code(x.dtype), threads()
-            )
+            module.forward(x.data_ptr(), bias.data_ptr(), y.data_ptr(), x.numel() // h, h, dtype_code(x.dtype),
+                           last_arg)
         else:
             y = _bias_gelu_forward_torch(x, bias)
         ctx.save_for_backward(x, bias)
@@ -63,26 +63,18 @@ class BiasGeLU(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x, bias = ctx.saved_tensors
         need_bias_grad = ctx.needs_input_grad[1]
-        module = load("bias_gelu") if cpu_supported(dy, x, bias) else None
-        if module is None:
+        kernel = pick_kernel("bias_gelu", dy, x, bias)
+        if kernel is None:
             dx = _bias_gelu_backward_torch(dy, x, bias)
             dbias = dx.reshape(-1, x.shape[-1]).sum(dim=0).to(bias.dtype) if need_bias_grad else None
             return dx.to(x.dtype), dbias
+        module, last_arg = kernel
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         dbias = torch.empty_like(bias) if need_bias_grad else None
         h = x.shape[-1]
-        module.backward(
-            dy.data_ptr(),
-            x.data_ptr(),
-            bias.data_ptr(),
-            dx.data_ptr(),
-            0 if dbias is None else dbias.data_ptr(),
-            x.numel() // h,
-            h,
-            dtype_code(x.dtype),
-            threads(),
-        )
+        module.backward(dy.data_ptr(), x.data_ptr(), bias.data_ptr(), dx.data_ptr(),
+                        0 if dbias is None else dbias.data_ptr(), x.numel() // h, h, dtype_code(x.dtype), last_arg)
         return dx, dbias
 
 

@@ -24,7 +24,7 @@ MODELS = {
                                 "--rotary-percent", "0.5"],
 }
 TWINS = {
-    "gpt": {"scaled_upper_triang_masked_softmax"},  # its LayerNorm is torch's; bias-GELU has no CUDA twin
+    "gpt": {"scaled_upper_triang_masked_softmax", "bias_gelu"},  # its LayerNorm is torch's
     "llama": {"rms_norm", "swiglu", "rotary", "scaled_upper_triang_masked_softmax"},
 }
 """The CUDA twins each model must run when fused."""

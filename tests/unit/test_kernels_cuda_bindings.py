@@ -24,6 +24,7 @@ import torch
 from megatron_like.kernels import (
     _common,
     _loader,
+    bias_gelu,
     fused_add_layer_norm,
     fused_apply_rotary,
     fused_rms_norm,
@@ -111,6 +112,10 @@ def _backward(*outputs: torch.Tensor) -> None:
     torch.autograd.backward([o for o in outputs], [torch.ones_like(o) for o in outputs])
 
 
+def _bias_gelu(dtype):
+    _backward(bias_gelu(_leaf(3, 8, dtype=dtype), _leaf(8, dtype=dtype)))
+
+
 def _softmax(dtype):
     mask = torch.rand(2, 1, 4, 4) > 0.5
     _backward(scaled_masked_softmax(_leaf(2, 2, 4, 4, dtype=dtype), mask, 0.5))
@@ -147,6 +152,7 @@ def _grouped_gemm(dtype):
 
 
 DRIVERS = {
+    "bias_gelu": _bias_gelu,
     "scaled_masked_softmax": _softmax,
     "scaled_upper_triang_masked_softmax": _causal_softmax,
     "layer_norm": _layer_norm,
