@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import os
 import resource
@@ -650,6 +651,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="glibc keeps freed memory in every rank (MALLOC_MMAP_THRESHOLD_ 32 MiB, "
                         "MALLOC_TRIM_THRESHOLD_ 1 GiB), as a GPU's caching allocator does: no side pays page "
                         "faults for memory it freed and allocates again")
+    parser.add_argument("--hidden", type=int, default=None,
+                        help="override the preset's hidden size (e.g. --compute-dominates --hidden 1024: GEMMs with "
+                        "twice the arithmetic intensity, so the two ranks sharing this machine's caches and memory bus "
+                        "slow each other less)")
     parser.add_argument("--states-dominate", action="store_true",
                         help="GPT 8 layers, hidden 512, 8 heads, seq 64, vocab 1024, global batch 4: parameters, "
                         "gradients and Adam moments dominate the step's activations")
@@ -666,6 +671,10 @@ def main(argv: list[str] | None = None) -> None:
 
     sizes = (ISSUE if args.issue_sizes else STATES_DOMINATE if args.states_dominate
              else COMPUTE_DOMINATES if args.compute_dominates else SMALL)
+    if args.hidden is not None:
+        if args.hidden % sizes.heads:
+            parser.error(f"--hidden {args.hidden}: must be a multiple of the preset's {sizes.heads} heads")
+        sizes = dataclasses.replace(sizes, hidden=args.hidden)
     for mode in args.modes:  # a mode these sizes cannot run fails here, not after the modes before it
         try:
             our_config(mode, sizes, args.world_size)
