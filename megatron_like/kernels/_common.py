@@ -80,6 +80,7 @@ CUDA_TWINS = (
     "swiglu",
     "rotary",
     "grouped_gemm",
+    "vocab_cross_entropy",
 )
 """Ops with a CUDA build (``csrc/cuda/<name>.cu`` -> ``megatron_like._csrc.cuda_<name>``)."""
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_like.kernels._common import accum_dtype, cpu_supported, dtype_code, threads
-from megatron_like.kernels._loader import load
+from megatron_like.kernels._common import accum_dtype, device_type_of, dtype_code, pick_kernel
 
 
 def _check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -64,26 +63,21 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
                 inplace_backward: bool = False) -> torch.Tensor:
         n, v = logits.shape
         targets = targets.to(torch.int64).contiguous()
-        module = load("vocab_cross_entropy") if cpu_supported(logits) and targets.device.type == "cpu" else None
-        if module is not None:
+        # The CPU kernel checks the targets itself; a CUDA kernel cannot raise, so CUDA tensors are checked here
+        # first (one host synchronization), as the fallback does.
+        kernel = pick_kernel("vocab_cross_entropy", logits) if targets.device == logits.device else None
+        if kernel is None:
+            loss, row_max, log_sum = _cross_entropy_forward_torch(logits, targets, ignore_index)
+        else:
+            module, last_arg = kernel
+            if device_type_of(logits) == "cuda":
+                _check_targets(targets, v, ignore_index)
             logits = logits.contiguous()
-            loss = torch.empty(n, dtype=accum_dtype(logits.dtype))
+            loss = torch.empty(n, dtype=accum_dtype(logits.dtype), device=logits.device)
             row_max = torch.empty_like(loss)
             log_sum = torch.empty_like(loss)
-            module.forward(
-                logits.data_ptr(),
-                targets.data_ptr(),
-                loss.data_ptr(),
-                row_max.data_ptr(),
-                log_sum.data_ptr(),
-                n,
-                v,
-                ignore_index,
-                dtype_code(logits.dtype),
-                threads(),
-            )
-        else:
-            loss, row_max, log_sum = _cross_entropy_forward_torch(logits, targets, ignore_index)
+            module.forward(logits.data_ptr(), targets.data_ptr(), loss.data_ptr(), row_max.data_ptr(),
+                           log_sum.data_ptr(), n, v, ignore_index, dtype_code(logits.dtype), last_arg)
         ctx.save_for_backward(logits, targets, row_max, log_sum)
         ctx.ignore_index, ctx.inplace_backward = ignore_index, inplace_backward
         return loss
@@ -91,28 +85,19 @@ class FusedVocabCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, targets, row_max, log_sum = ctx.saved_tensors
-        module = load("vocab_cross_entropy") if cpu_supported(logits) and grad_loss.device.type == "cpu" else None
-        if module is None:
+        kernel = pick_kernel("vocab_cross_entropy", logits) if grad_loss.device == logits.device else None
+        if kernel is None:
             grad = _cross_entropy_backward_torch(logits, targets, row_max, log_sum, grad_loss, ctx.ignore_index)
             return grad, None, None, None
+        module, last_arg = kernel
         n, v = logits.shape
         grad_loss = grad_loss.to(log_sum.dtype).contiguous()
         # The kernel reads each logit once, just before writing its gradient, so it may write over the
         # logits: no fresh [n, v] buffer (for a 50k vocabulary, hundreds of MB and their page faults).
         grad = logits if ctx.inplace_backward else torch.empty_like(logits)
-        module.backward(
-            logits.data_ptr(),
-            targets.data_ptr(),
-            row_max.data_ptr(),
-            log_sum.data_ptr(),
-            grad_loss.data_ptr(),
-            grad.data_ptr(),
-            n,
-            v,
-            ctx.ignore_index,
-            dtype_code(logits.dtype),
-            threads(),
-        )
+        module.backward(logits.data_ptr(), targets.data_ptr(), row_max.data_ptr(), log_sum.data_ptr(),
+                        grad_loss.data_ptr(), grad.data_ptr(), n, v, ctx.ignore_index, dtype_code(logits.dtype),
+                        last_arg)
         return grad, None, None, None
 
 

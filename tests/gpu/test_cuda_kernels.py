@@ -21,6 +21,7 @@ from megatron_like.kernels import (
     fused_apply_rotary,
     fused_rms_norm,
     fused_swiglu,
+    fused_vocab_cross_entropy,
     grouped_gemm,
     layer_norm,
     scaled_masked_softmax,
@@ -120,6 +121,28 @@ def test_bias_gelu(dtype, rows, device, twins_used):
     compare_with_torch(bias_gelu, lambda x, b: F.gelu(x + b, approximate="tanh"),
                        [randn(rows, h, scale=2), randn(h, scale=0.5)], {0, 1}, dtype, device)
     assert _loader.CUDA_MODULE_PREFIX + "bias_gelu" in twins_used
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True], ids=["fresh", "inplace"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_cross_entropy(dtype, inplace_backward, device, twins_used):
+    vocab = 1000  # not a multiple of the 512-thread block
+    targets = torch.randint(0, vocab, (37,), generator=torch.Generator().manual_seed(1))
+    targets[[3, 20]] = -100  # ignored rows: zero loss and zero gradient
+
+    def fused(logits):
+        # the in-place backward writes over its input: hand it a copy so the reference's leaf stays intact
+        logits = logits.clone() if inplace_backward else logits
+        return fused_vocab_cross_entropy(logits, targets.to(device), inplace_backward=inplace_backward)
+
+    compare_with_torch(fused, lambda x: F.cross_entropy(x, targets.to(device), reduction="none"),
+                       [randn(37, vocab, scale=4)], {0}, dtype, device)
+    assert _loader.CUDA_MODULE_PREFIX + "vocab_cross_entropy" in twins_used
+
+
+def test_vocab_cross_entropy_refuses_a_target_outside_the_vocabulary(device):
+    with pytest.raises(IndexError, match="target 1000 at row 1 is out of range for a vocabulary of 1000"):
+        fused_vocab_cross_entropy(torch.zeros(2, 1000, device=device), torch.tensor([0, 1000], device=device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

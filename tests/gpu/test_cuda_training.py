@@ -24,8 +24,8 @@ MODELS = {
                                 "--rotary-percent", "0.5"],
 }
 TWINS = {
-    "gpt": {"scaled_upper_triang_masked_softmax", "bias_gelu"},  # its LayerNorm is torch's
-    "llama": {"rms_norm", "swiglu", "rotary", "scaled_upper_triang_masked_softmax"},
+    "gpt": {"scaled_upper_triang_masked_softmax", "bias_gelu", "vocab_cross_entropy"},  # its LayerNorm is torch's
+    "llama": {"rms_norm", "swiglu", "rotary", "scaled_upper_triang_masked_softmax", "vocab_cross_entropy"},
 }
 """The CUDA twins each model must run when fused."""
 UNFUSED = ["--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-cross-entropy-loss-fusion"]

@@ -29,6 +29,7 @@ from megatron_like.kernels import (
     fused_apply_rotary,
     fused_rms_norm,
     fused_swiglu,
+    fused_vocab_cross_entropy,
     grouped_gemm,
     layer_norm,
     scaled_masked_softmax,
@@ -116,6 +117,12 @@ def _bias_gelu(dtype):
     _backward(bias_gelu(_leaf(3, 8, dtype=dtype), _leaf(8, dtype=dtype)))
 
 
+def _cross_entropy(dtype):
+    targets = torch.tensor([1, -100, 7])  # an ignored row
+    _backward(fused_vocab_cross_entropy(_leaf(3, 8, dtype=dtype), targets))
+    _backward(fused_vocab_cross_entropy(_leaf(3, 8, dtype=dtype), targets, inplace_backward=True))
+
+
 def _softmax(dtype):
     mask = torch.rand(2, 1, 4, 4) > 0.5
     _backward(scaled_masked_softmax(_leaf(2, 2, 4, 4, dtype=dtype), mask, 0.5))
@@ -160,6 +167,7 @@ DRIVERS = {
     "swiglu": _swiglu,
     "rotary": _rotary,
     "grouped_gemm": _grouped_gemm,
+    "vocab_cross_entropy": _cross_entropy,
 }
 """One run of each op with a CUDA twin through its public wrappers, forward and backward."""
 
