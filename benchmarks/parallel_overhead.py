@@ -615,12 +615,13 @@ def table(mode: str, sizes: Sizes, results: list[dict], world: int) -> list[str]
     medians = {side: statistics.median(results[0]["times"][side]) for side in sides}
     # per rank the median over the steps, then the busiest rank
     cpu = {side: max(statistics.median(r["cpu"][side]) for r in results) for side in sides}
-    theory = theory_bytes(mode, sizes, results[0]["params"], world) / 2**20
     rows = []
     for side in sides:
         peak = max(r["peak"][side] for r in results) / 2**20
         sent = max(r["sent"][side] for r in results) / 2**20
         speed, cpu_speed = medians["peer"] / medians[side], cpu["peer"] / cpu[side]
+        # the 1F1B side of a zero-bubble mode is the plain pipeline: its own textbook bytes, not the V's
+        theory = theory_bytes("pp" if side == "1f1b" else mode, sizes, results[0]["params"], world) / 2**20
         theory_cell = "-" if side == "floor" else f"{theory:.2f}"  # the floor communicates nothing by design
         rows.append(f"| {mode} | {side_name(mode, side)} | {medians[side]:.3f} | {tokens / medians[side]:.0f} | "
                     f"{cpu[side]:.3f} | {peak:.1f} | {sent:.2f} | {theory_cell} | {speed:.2f}x | {cpu_speed:.2f}x |")
