@@ -38,7 +38,8 @@ the same split for scale.
 Goal check (``vit`` and ``finetune``): each of our sides against the plain one, over the seeds both ran: our mean
 within ``MEAN_GOAL`` points of the plain mean and our worst seed within ``WORST_GOAL`` points of the plain worst.
 
-Each run keeps its log in ``--work-dir``; a finished log is reused (``--rerun`` trains again), so an
+Each run keeps its log in ``--work-dir``; a finished log made by the same command is reused (``--rerun``
+trains again), so an
 interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several minutes per run on 2 cores.
 """
 
@@ -92,12 +93,17 @@ VALID_LOSS = re.compile(r"validation loss at iteration (\d+) \| (?:.*?)lm loss v
 def run(command: list[str], log: Path, rerun: bool = False) -> str:
     """Run ``command`` from the repo root (one thread per process) into ``log``; return its output.
 
-    The output goes to ``log``.partial while it runs (``tail -f`` it) and is renamed to ``log`` on success;
-    an existing ``log`` is a finished run and is returned as it is unless ``rerun``.
+    The output goes to ``log``.partial while it runs (``tail -f`` it) and is renamed to ``log`` on success, with
+    the command beside it in ``log``.command; an existing ``log`` is a finished run and is returned as it is unless
+    ``rerun`` or its recorded command differs from this one (other flags under the same file name: trained again).
     """
+    recorded = log.with_name(log.name + ".command")
+    wanted = "\n".join(command) + "\n"
     if log.exists() and not rerun:
-        print(f"reusing {log}", flush=True)
-        return log.read_text()
+        if recorded.exists() and recorded.read_text() == wanted:
+            print(f"reusing {log}", flush=True)
+            return log.read_text()
+        print(f"not reusing {log}: it was made by another command (or none was recorded)", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     partial = log.with_name(log.name + ".partial")
     print(f"$ {' '.join(command)}  > {log}", flush=True)
@@ -106,6 +112,7 @@ def run(command: list[str], log: Path, rerun: bool = False) -> str:
     if code != 0:
         raise SystemExit(f"failed ({code}), see {partial}:\n{partial.read_text()[-2000:]}")
     partial.rename(log)
+    recorded.write_text(wanted)
     return log.read_text()
 
 
