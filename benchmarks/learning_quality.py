@@ -39,8 +39,8 @@ Goal check (``vit`` and ``finetune``): each of our sides against the plain one, 
 within ``MEAN_GOAL`` points of the plain mean and our worst seed within ``WORST_GOAL`` points of the plain worst.
 
 Each run keeps its log in ``--work-dir``; a finished log made by the same command is reused (``--rerun``
-trains again), so an
-interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several minutes per run on 2 cores.
+trains again), so an interrupted sweep resumes. ``--jobs`` runs that many trainings at once. Several minutes per
+run on 2 cores.
 """
 
 from __future__ import annotations
