@@ -11,11 +11,20 @@ Such a tail is *pending*: it stays in the window (the next token may complete th
 confirmed; it is still part of :attr:`IncrementalText.text`, as it is of a full decode. ``text`` so always equals
 ``detokenize(tokens)`` (``tests/unit/test_incremental_detokenize.py`` checks it token by token on GPT-2's BPE with
 split multi-byte characters), and only the pending tail can still change.
+
+Bytes that never form a character (a model emitting garbage) would keep the tail pending for ever, and the window
+would grow with the answer. A UTF-8 character is at most 4 bytes and a byte-level token at least one, so once
+``MAX_PENDING`` tokens follow a point, every character that starts before it is decided (whole, or invalid for
+good). With more pending tokens than that, the text of the window without its last ``MAX_PENDING`` tokens is
+confirmed when the whole window's text starts with it, and the window moves on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+MAX_PENDING = 4
+"""Tokens after which a character that started earlier is decided: UTF-8's longest character, one byte a token."""
 
 
 class IncrementalText:
@@ -47,9 +56,19 @@ class IncrementalText:
         self.text = self.confirmed + new
         if new and not new.endswith("\ufffd"):  # whole characters: confirm them, the window moves on
             self.confirmed = self.text
-            self._context, self._read = self._read, len(self.tokens)
-            self._context_text = self.detokenize(self.tokens[self._context:self._read])
+            self._move_window(len(self.tokens))
+        elif len(self.tokens) - self._read > MAX_PENDING:  # bytes that stay invalid: confirm what is decided
+            decided = len(self.tokens) - MAX_PENDING
+            head = self.detokenize(self.tokens[self._context:decided])
+            if head.startswith(self._context_text) and window.startswith(head):
+                self.confirmed += head[len(self._context_text):]
+                self._move_window(decided)
         return self.text
+
+    def _move_window(self, read: int) -> None:
+        """Tokens before ``read`` are confirmed; the last confirmed chunk becomes the window's left context."""
+        self._context, self._read = self._read, read
+        self._context_text = self.detokenize(self.tokens[self._context:self._read])
 
 
 def first_stop(text: str, stops: list[str], start: int) -> int | None:
