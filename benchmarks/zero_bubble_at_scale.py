@@ -88,17 +88,18 @@ def stage_seconds_per_microbatch(global_batch: int) -> float:
     return plan.iteration_seconds * (1.0 - plan.bubble) / config.num_microbatches
 
 
-def simulated_iteration(schedule: str, m: int, forward: float, backward: float, weight: float) -> float:
-    """Makespan of ``schedule``'s orders on 16 ranks with a whole stage's step times (W only where split)."""
+def simulated_iteration(schedule: str, m: int, forward: float, backward: float, weight: float,
+                        pp: int = PP) -> float:
+    """Makespan of ``schedule``'s orders on ``pp`` ranks with a whole stage's step times (W only where split)."""
     if schedule == "1f1b":
-        orders, chunks, v_shape = [one_f_one_b_steps(PP, r, m) for r in range(PP)], 1, False
+        orders, chunks, v_shape = [one_f_one_b_steps(pp, r, m) for r in range(pp)], 1, False
     elif schedule == "interleaved (v = 3)":
-        orders, chunks, v_shape = [interleaved_steps(PP, r, m, 3) for r in range(PP)], 3, False
+        orders, chunks, v_shape = [interleaved_steps(pp, r, m, 3) for r in range(pp)], 3, False
     elif schedule == "zb-h1":
-        orders, chunks, v_shape = [zb_h1_steps(PP, r, m) for r in range(PP)], 1, False
+        orders, chunks, v_shape = [zb_h1_steps(pp, r, m) for r in range(pp)], 1, False
     else:
         order = zb_v_steps if schedule == "zb-v" else dualpipev_steps
-        orders, chunks, v_shape = [order(PP, r, m) for r in range(PP)], 2, True
+        orders, chunks, v_shape = [order(pp, r, m) for r in range(pp)], 2, True
     events = simulate(orders, chunks, forward / chunks, backward / chunks, weight_time=weight / chunks,
                       v_shape=v_shape)
     return max(e.end for rank in events for e in rank) - min(e.start for rank in events for e in rank)
@@ -110,6 +111,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--global-batches", type=int, nargs="+", default=[1536, 256])
+    parser.add_argument("--pp2-microbatches", type=int, default=8,
+                        help="also simulate the measured model itself as one stage of a pp 2 pipeline with this many "
+                        "micro batches (parallel_overhead.py's zero-bubble layout at --compute-dominates; 0: skip)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     t = measure(args.hidden, args.seq, args.repeats)
@@ -120,6 +124,15 @@ def main() -> None:
           f"thread): forward {t['forward'] * 1e3:.1f} ms, backward {t['backward'] * 1e3:.1f} ms; split: forward "
           f"{t['split forward'] * 1e3:.1f}, B {t['B'] * 1e3:.1f}, W {t['W'] * 1e3:.1f} ms (split / plain "
           f"{split / plain:.3f})")
+    if args.pp2_microbatches:
+        # The most each schedule can gain in parallel_overhead.py's pp 2 run of this stage (8 layers split in two):
+        # instant messages, and no slowdown from the two ranks sharing this machine's caches and memory bus.
+        m = args.pp2_microbatches
+        base = simulated_iteration("1f1b", m, t["forward"], t["backward"], 0.0, pp=2)
+        gains = {name: base / simulated_iteration(name, m, t["split forward"], t["B"], t["W"], pp=2)
+                 for name in ("zb-h1", "zb-v", "dualpipev")}
+        print(f"# pp 2, {m} micro batches of this stage, simulated from these times: "
+              + ", ".join(f"{name} {gain:.3f}x" for name, gain in gains.items()) + " our 1F1B (the most a run gains)")
     print("| global batch (micro batches) | schedule | F / B / W (ms, scaled) | bubble | tokens/s | vs 1f1b |")
     print("|---|---|---|---:|---:|---:|")
     for global_batch in args.global_batches:
