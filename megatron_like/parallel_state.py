@@ -94,6 +94,9 @@ class ParallelState:
     pp_v_shape: bool = False
     """Model chunks placed in a V (--pipeline-schedule zb-v or dualpipev): the first and the last virtual stage
     are both on pipeline rank 0 (pipeline_parallel/placement.py)."""
+    keep_gathered_sequence_for_wgrad: bool = False
+    """--keep-gathered-sequence-for-wgrad: a zero-bubble schedule's W steps keep the all-gathered sequence, not
+    the shards (tensor_parallel/sequence_parallel_linear.py)."""
     ep_size: int = 1
     """Expert-parallel size (``etp * ep`` divides ``tp * dp``)."""
     etp_size: int | None = None
@@ -275,7 +278,8 @@ class ParallelState:
             raise ConfigError(f"--expert-tensor-parallel-size {etp} * --expert-model-parallel-size {ep} does not "
                               f"divide tp {tp} * cp {cp} * dp {dp} (the ranks of one pipeline stage)")
         state = cls(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, cp_comm_type=parallel.cp_comm_type,
-                    ep_size=ep, etp_size=etp, rank=dist.get_rank(), pp_v_shape=parallel.v_shape)
+                    ep_size=ep, etp_size=etp, rank=dist.get_rank(), pp_v_shape=parallel.v_shape,
+                    keep_gathered_sequence_for_wgrad=parallel.keep_gathered_sequence_for_wgrad)
         state.device, state.backend = device, backend
         state._build_groups()
         if cp > 1 and parallel.cp_comm_type == "a2a+p2p":

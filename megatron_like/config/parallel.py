@@ -13,6 +13,8 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 """The values of --pipeline-schedule."""
 V_SCHEDULES = ("zb-v", "dualpipev")
 """The schedules that place two model chunks per rank in a V (pipeline_parallel/placement.py)."""
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
+"""The schedules whose backward is split into B and W (tensor_parallel/weight_grad.py)."""
 
 
 @dataclass
@@ -43,6 +45,12 @@ class ParallelConfig:
     (inner, consecutive ranks) then the ring across those groups."""
     sequence_parallel: bool = False
     """Shard LayerNorm and dropout activations along the sequence inside the tensor-parallel group."""
+    keep_gathered_sequence_for_wgrad: Annotated[bool, Requires("sequence_parallel")] = False
+    """With a zero-bubble --pipeline-schedule (zb-h1, zb-v, dualpipev): keep the all-gathered [s, b, .] tensors
+    that a deferred weight gradient needs (a column-parallel linear's input, a row-parallel one's output gradient)
+    until its W step. Default: keep their [s / tp, b, .] sequence shards and all-gather them again in W. Keeping
+    saves one all-gather of [s, b, .] per linear and micro batch (run in W, where no other stage waits for it) and
+    costs tp times those tensors' memory in every waiting W stash (docs/pipeline.md)."""
     expert_model_parallel_size: Annotated[int, POSITIVE, Requires("model.num_experts")] = 1
     """Processes that split the experts of each MoE layer; an expert-parallel group is ep consecutive ranks of
     a data-parallel group (Megatron-LM's layout, docs/moe.md)."""
@@ -76,6 +84,9 @@ class ParallelConfig:
         _require(not self.v_shape or self.num_layers_per_virtual_pipeline_stage is None,
                  f"--pipeline-schedule {self.pipeline_schedule} places two model chunks per rank in a V, which fixes "
                  "the layers of each chunk: drop --num-layers-per-virtual-pipeline-stage")
+        _require(not self.keep_gathered_sequence_for_wgrad or self.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES,
+                 "--keep-gathered-sequence-for-wgrad applies to the deferred weight gradients of --pipeline-schedule "
+                 f"{', '.join(SPLIT_BACKWARD_SCHEDULES)}: add one, or drop the flag")
         if self.use_distributed_optimizer and self.zero_stage == 0:
             self.zero_stage = 1  # Megatron's name for ZeRO-1
         _require(not self.overlap_param_gather or self.zero_stage >= 1,

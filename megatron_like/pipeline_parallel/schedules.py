@@ -247,7 +247,8 @@ def run_pipeline_steps(
     stats: list[LossStats] = []
     if -1 in plan:
         issue(plan[-1])
-    with weight_grad.split_backward() if split else contextlib.nullcontext():
+    split_run = weight_grad.split_backward(ps.keep_gathered_sequence_for_wgrad) if split else contextlib.nullcontext()
+    with split_run:
         for i, step in enumerate(steps):
             waited_since = time.perf_counter() if trace is not None and i in receiving else None
             received = receiving.pop(i).wait() if i in receiving else handed.pop(step, None)

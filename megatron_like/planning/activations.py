@@ -8,8 +8,9 @@ right ones (units of ``s b h`` unless said)::
 
     kept whole on each tp rank (split by tp only with sequence parallelism):
         LayerNorm inputs 2e, QKV input e, MLP input e, two dropout masks 2       -> 4e + 2
-    (a column-parallel linear keeps its input's sequence shard and gathers it again in backward; under a
-    zero-bubble schedule its W step keeps the gathered input instead: ``gathered_for_w_steps``)
+    (a column-parallel linear keeps its input's sequence shard and gathers it again in backward, and under a
+    zero-bubble schedule in W; with --keep-gathered-sequence-for-wgrad it keeps the gathered input for W
+    instead: ``gathered_for_w_steps``)
     split by tp (each rank holds heads / tp, ffn / tp):
         Q, K, V 3e, attention output e, GELU input 4e, GELU output 4e            -> 12e
     attention core, per a s^2 b, split by tp:
@@ -97,8 +98,8 @@ import math
 from dataclasses import dataclass
 
 from megatron_like.config import Config
+from megatron_like.config.parallel import SPLIT_BACKWARD_SCHEDULES
 from megatron_like.planning.split_backward import (
-    SPLIT_BACKWARD_SCHEDULES,
     Stash,
     embedding_stash,
     held_at_peak,
@@ -201,15 +202,17 @@ def layer_activation_bytes(config: Config, recompute: str | None = None, device:
 
 
 def gathered_for_w_steps(config: Config) -> float:
-    """Bytes per layer that a zero-bubble schedule keeps beyond the formula under sequence parallelism at tp > 1:
-    its column-parallel linears' W steps keep their gathered ``[s, b, in]`` inputs, where the other schedules keep
-    the ``[s / tp, b, in]`` shards and gather them again in backward (``tensor_parallel/sequence_parallel_linear.py``).
+    """Bytes per layer that a zero-bubble schedule with --keep-gathered-sequence-for-wgrad keeps beyond the formula
+    under sequence parallelism at tp > 1: its column-parallel linears' W steps keep their gathered ``[s, b, in]``
+    inputs, where by default (and in the other schedules) they keep the ``[s / tp, b, in]`` shards and gather them
+    again (``tensor_parallel/sequence_parallel_linear.py``).
     Adds ``(1 - 1 / tp) e s b`` times the inputs' widths: QKV's (or MLA's up-projections' latents) and MLP fc1's
     (an MoE layer's shared expert's); MLA's ``q_proj`` without a query latent keeps a gathered copy of the input
     whose shard the down-projection keeps too, ``e s b h``. 0 otherwise."""
     m, p = config.model, config.parallel
     tp = p.tensor_model_parallel_size
-    if not (p.sequence_parallel and tp > 1 and p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES):
+    if not (p.sequence_parallel and tp > 1 and p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+            and p.keep_gathered_sequence_for_wgrad):
         return 0.0
     gathered = 1 - 1 / tp
     if not m.multi_latent_attention:
@@ -373,9 +376,10 @@ def activation_bytes(config: Config, pp_rank: int, padded_vocab_size: int, devic
     holds_loss = pp_rank == (0 if p.v_shape else pp - 1)  # the V's last stage is rank 0's second chunk
     depths = (m.mtp_num_layers or 0) if holds_loss else 0
     # Multi-token prediction: each depth is one more layer of the last chunk, kept like the others, plus its
-    # two norm inputs and its projection's 2h input (gathered under a zero-bubble schedule, else the shard); every
-    # depth's logits are alive at once.
-    projection_div = 1 if p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES else sp_div
+    # two norm inputs and its projection's 2h input (the shard; gathered under a zero-bubble schedule with
+    # --keep-gathered-sequence-for-wgrad); every depth's logits are alive at once.
+    keeps_gathered = p.keep_gathered_sequence_for_wgrad and p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    projection_div = 1 if keeps_gathered else sp_div
     mtp_per_microbatch = depths * (2 * e / sp_div + 2 * e / projection_div) * s * b * h
     logits = (1 + depths) * (e * s * b * h / sp_div + (e + 4) * s * b * padded_vocab_size / tp) if holds_loss else 0.0
     if pp > 1 and (p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES or config.virtual_pipeline_size == 1):

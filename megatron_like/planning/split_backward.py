@@ -7,15 +7,17 @@ between their F and B and the W stash of those between their B and W; its peak i
 order (:func:`held_at_peak`), read from the schedule's own step list (``pipeline_parallel``), since the two
 counts peak at different steps.
 
-The W stash of one layer and micro batch (:func:`layer_stash_bytes`), per tp rank, ``e`` bytes an element, ``T =
-s b`` tokens: each column-parallel linear keeps its whole-sequence input (the all-gathered one under sequence
-parallelism) and its ``out / tp`` output gradient; each row-parallel linear its ``in / tp`` input and its whole
-``h`` output gradient (all-gathered back under sequence parallelism):
+The W stash of one layer and micro batch (:func:`layer_stash`), per tp rank, ``e`` bytes an element, ``T = s b``
+tokens: each column-parallel linear keeps its input and its ``out / tp`` output gradient; each row-parallel linear
+its ``in / tp`` input and its ``h`` output gradient. Under sequence parallelism at tp > 1 the column's input and
+the row's output gradient are the sequence shards ``T / tp`` (gathered again in W,
+``tensor_parallel/sequence_parallel_linear.py``), or with ``--keep-gathered-sequence-for-wgrad`` the gathered
+``T``: :func:`sequence_shards` is the divisor ``n`` (tp or 1):
 
-* attention ``T (h + q_out / tp) + T (a d / tp + h)`` with ``q_out = a d + 2 g d`` (QKV); multi-latent attention:
-  the q (or q_up) and kv_up projections and the output projection (its down projections are replicated and get
-  their gradients during B);
-* MLP ``T (h + f_1 / tp) + T (f / tp + h)``, ``f_1 = 2f`` with SwiGLU;
+* attention ``T (h / n + q_out / tp) + T (a d / tp + h / n)`` with ``q_out = a d + 2 g d`` (QKV); multi-latent
+  attention: the q (or q_up) and kv_up projections and the output projection (its down projections are replicated
+  and get their gradients during B);
+* MLP ``T (h / n + f_1 / tp) + T (f / tp + h / n)``, ``f_1 = 2f`` with SwiGLU;
 * MoE layers: the fp32 router ``4 T' (h + E)`` (``T'`` the tokens the rank routes; a 16-bit router weight is cast,
   so not a leaf: its gradient is taken in B), the experts ``P etp / tp (2h + (f_1 + f) / etp)`` over the ``P``
   routed pairs, and the shared expert as an MLP.
@@ -30,10 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_like.config import Config
+from megatron_like.config.parallel import SPLIT_BACKWARD_SCHEDULES
 from megatron_like.pipeline_parallel.trace import Step
-
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
-"""The schedules whose backward is split into B and W."""
 
 
 def schedule_order(config: Config, pp_rank: int) -> list[Step]:
@@ -102,10 +102,19 @@ def held_at_peak(steps: Sequence[Step], whole_bytes: Sequence[float], stash: Seq
     return peak
 
 
-def _column_and_row_pair(tokens: float, hidden: int, column_out: float, row_in: float) -> Stash:
+def sequence_shards(config: Config) -> int:
+    """What a W stash's whole-sequence tensors (column-parallel inputs, row-parallel output gradients) are divided
+    by: tp under sequence parallelism in a zero-bubble schedule (the shards, gathered again in W), else 1 (also
+    with --keep-gathered-sequence-for-wgrad)."""
+    p = config.parallel
+    split_sp = p.sequence_parallel and p.pipeline_schedule in SPLIT_BACKWARD_SCHEDULES
+    return p.tensor_model_parallel_size if split_sp and not p.keep_gathered_sequence_for_wgrad else 1
+
+
+def _column_and_row_pair(tokens: float, hidden: int, column_out: float, row_in: float, shards: int) -> Stash:
     """Elements a column-parallel linear (``hidden`` -> ``column_out`` per rank) and a row-parallel one
-    (``row_in`` per rank -> ``hidden``) keep for W."""
-    return Stash(tokens * (hidden + row_in), tokens * (column_out + hidden))
+    (``row_in`` per rank -> ``hidden``) keep for W; ``shards``: :func:`sequence_shards`."""
+    return Stash(tokens * (hidden / shards + row_in), tokens * (column_out + hidden / shards))
 
 
 def _scaled(stash: Stash, factor: float) -> Stash:
@@ -124,16 +133,16 @@ def layer_stash(config: Config) -> Stash:
     m, p = config.model, config.parallel
     tp, e, h = p.tensor_model_parallel_size, element_bytes(config), m.hidden_size
     tokens = local_seq_length(config) * config.training.micro_batch_size
-    gated = 2 if m.swiglu else 1
+    gated, n = 2 if m.swiglu else 1, sequence_shards(config)
     if m.multi_latent_attention:
         a = m.num_attention_heads
         q_in, kv_in = m.q_lora_rank or h, m.kv_lora_rank
         q_out, kv_out = a * (m.qk_head_dim + m.qk_pos_emb_head_dim) / tp, a * (m.qk_head_dim + m.v_head_dim) / tp
-        attention = Stash(tokens * (q_in + kv_in + a * m.v_head_dim / tp), tokens * (q_out + kv_out + h))
+        attention = Stash(tokens * ((q_in + kv_in) / n + a * m.v_head_dim / tp), tokens * (q_out + kv_out + h / n))
     else:
         qkv_out = m.attention_size * (1 + 2 * m.query_groups / m.num_attention_heads)
-        attention = _column_and_row_pair(tokens, h, qkv_out / tp, m.attention_size / tp)
-    dense = _column_and_row_pair(tokens, h, gated * m.ffn_size / tp, m.ffn_size / tp)
+        attention = _column_and_row_pair(tokens, h, qkv_out / tp, m.attention_size / tp, n)
+    dense = _column_and_row_pair(tokens, h, gated * m.ffn_size / tp, m.ffn_size / tp, n)
     pattern = m.moe_layer_pattern
     moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
     mlp = dense
@@ -149,7 +158,7 @@ def layer_stash(config: Config) -> Stash:
         shared = Stash(0.0, 0.0)
         if m.moe_shared_expert_intermediate_size:
             f_shared = m.moe_shared_expert_intermediate_size
-            shared = _column_and_row_pair(tokens, h, gated * f_shared / tp, f_shared / tp)
+            shared = _column_and_row_pair(tokens, h, gated * f_shared / tp, f_shared / tp, n)
         mlp = _sum(_scaled(dense, 1 - moe_fraction), _scaled(_sum(router, experts, shared), moe_fraction))
     return _scaled(_sum(attention, mlp), e)
 

@@ -21,14 +21,15 @@ from megatron_like.tensor_parallel import cpu_gemm, weight_grad
 from megatron_like.tensor_parallel.initialization import InitMethod, draw_slice, new_parameter
 from megatron_like.tensor_parallel.mappings import (
     copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 from megatron_like.tensor_parallel.random import init_generator
-from megatron_like.tensor_parallel.sequence_parallel_linear import sequence_parallel_column_linear
+from megatron_like.tensor_parallel.sequence_parallel_linear import (
+    sequence_parallel_column_linear,
+    sequence_parallel_row_linear,
+)
 
 
 def mark_replicated(param: nn.Parameter, sequence_parallel: bool) -> nn.Parameter:
@@ -129,14 +130,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel and not (self.defer_weight_grad and weight_grad.is_split()):
-            # keeps only x's sequence shard for backward and gathers it again there
-            y = sequence_parallel_column_linear(x, weight, bias, self.tp_group, self.gemm)
+        if self.sequence_parallel:  # keeps only x's sequence shard for backward (and W) and gathers it again there
+            y = sequence_parallel_column_linear(x, weight, bias, self.tp_group, self.gemm, self.defer_weight_grad)
         else:
-            if self.sequence_parallel:  # a zero-bubble W step keeps the gathered input (weight_grad.py)
-                x = gather_from_sequence_parallel_region(x, self.tp_group, grad_is_partial=True)
-            else:
-                x = copy_to_tensor_parallel_region(x, self.tp_group)
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
             y = weight_grad.linear(x, weight, bias, self.gemm, self.defer_weight_grad)
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.tp_group)
@@ -190,11 +187,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
-        partial = weight_grad.linear(x, self.weight, None, self.gemm)
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        if self.sequence_parallel:  # a zero-bubble W step keeps the output gradient's shard and gathers it again
+            y = sequence_parallel_row_linear(x, self.weight, self.tp_group, self.gemm)
         else:
-            y = reduce_from_tensor_parallel_region(partial, self.tp_group)
+            y = reduce_from_tensor_parallel_region(weight_grad.linear(x, self.weight, None, self.gemm), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

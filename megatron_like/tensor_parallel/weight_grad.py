@@ -8,14 +8,17 @@ A zero-bubble schedule (``pipeline_parallel/zero_bubble.py``) runs each micro ba
 The heavy weight gradients (every GEMM: the tensor-parallel linears but the output layer, the MoE router, the
 experts' grouped GEMM, and the word and position embeddings' scatter-add) are computed by ops whose
 backward returns only the input gradient and hands the weight gradient to a closure that keeps just what it
-needs: the op's input and its output gradient (for a column-parallel linear under sequence parallelism that
-is the all-gathered input the forward already kept: *kept*, not gathered again). The closures of one B step
-are a :class:`WeightGradWork`; the schedule's W step runs it. Every other parameter (norms, the biases fused
-into kernels: reductions of ``O(s b h)``; the output layer, whose output gradient is too large to keep) gets
-its gradient during B, *parked*
-off ``.grad`` in the same work and handed over in W. So every parameter's gradient reaches ``.grad`` (and the
-data-parallel buffer's hook, ``distributed/buffers.py``, which starts DP reductions and ZeRO) in W only, once
-per micro batch: a chunk's reduction starts after its last W.
+needs: the op's input and its output gradient. Under sequence parallelism those are, by default, the sequence
+shards (a column-parallel linear's input ``[s / tp, b, in]``, a row-parallel one's output gradient ``[s / tp, b,
+h]``), all-gathered again in W (``sequence_parallel_linear.py``); ``split_backward(keep_gathered=True)``
+(``--keep-gathered-sequence-for-wgrad``) keeps the gathered ``[s, b, .]`` tensors instead. The closures of one B
+step are a :class:`WeightGradWork`; the schedule's W step runs it, in the order B queued them: the order in which
+B ran the ops' input gradients, whose tensor-parallel collectives already need that order to be the same on every
+tp rank of the stage, so the W step's all-gathers match across the tp ranks too. Every other parameter (norms,
+the biases fused into kernels: reductions of ``O(s b h)``; the output layer, whose output gradient is too large
+to keep) gets its gradient during B, *parked* off ``.grad`` in the same work and handed over in W. So every
+parameter's gradient reaches ``.grad`` (and the data-parallel buffer's hook, ``distributed/buffers.py``, which
+starts DP reductions and ZeRO) in W only, once per micro batch: a chunk's reduction starts after its last W.
 
 Usage (what the executor does)::
 
@@ -44,6 +47,7 @@ WeightGrads = list[tuple[torch.Tensor, torch.Tensor]]
 """(parameter, its gradient) pairs a closure returns."""
 
 _split_depth = 0
+_keep_gathered = False
 _work: WeightGradWork | None = None
 
 
@@ -111,20 +115,29 @@ def is_split() -> bool:
     return _split_depth > 0
 
 
+def keeps_gathered() -> bool:
+    """True inside ``split_backward(keep_gathered=True)``: sequence-parallel linears keep their all-gathered
+    ``[s, b, .]`` tensors for W instead of the shards (``sequence_parallel_linear.py``)."""
+    return _keep_gathered
+
+
 def is_deferring() -> bool:
     """True during a B step: weight gradients go to its :class:`WeightGradWork`, not to ``.grad``."""
     return _work is not None
 
 
 @contextlib.contextmanager
-def split_backward() -> Iterator[None]:
-    """Build split ops in the forwards inside the block (a zero-bubble schedule's whole run)."""
-    global _split_depth
+def split_backward(keep_gathered: bool = False) -> Iterator[None]:
+    """Build split ops in the forwards inside the block (a zero-bubble schedule's whole run); ``keep_gathered``:
+    see :func:`keeps_gathered`."""
+    global _split_depth, _keep_gathered
     _split_depth += 1
+    outer, _keep_gathered = _keep_gathered, keep_gathered
     try:
         yield
     finally:
         _split_depth -= 1
+        _keep_gathered = outer
 
 
 @contextlib.contextmanager
@@ -170,8 +183,8 @@ class _SplitGemm(torch.autograd.Function):
     """``y = op.forward(x, weight, bias)``; backward returns ``dx`` now and defers ``(dweight, dbias)``.
 
     ``op`` gives three functions: ``forward(x, w, b, extra)``, ``input_grad(dy, w, extra)`` and
-    ``weight_grad(dy, x, extra) -> (dw, db)``. Only ``x`` and ``dy`` are kept for W (and ``weight`` itself
-    for the input gradient, until B).
+    ``weight_grad(dy, x, extra, with_bias) -> (dw, db)``. Only ``x`` and ``dy`` are kept for W (and ``weight``
+    itself for the input gradient, until B).
     """
 
     @staticmethod
@@ -213,8 +226,15 @@ class _LinearOp:
 
     @staticmethod
     def weight_grad(dy, x, backend, with_bias):
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        return dy2d.t().mm(x.reshape(-1, x.shape[-1])), dy2d.sum(0) if with_bias else None
+        return linear_weight_grads(dy, x, with_bias)
+
+
+def linear_weight_grads(dy: torch.Tensor, x: torch.Tensor,
+                        with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dW = dy^T x [out, in]`` and ``db = sum(dy) [out]`` (None unless ``with_bias``) of a linear with input ``x
+    [..., in]`` and output gradient ``dy [..., out]``."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    return dy2d.t().mm(x.reshape(-1, x.shape[-1])), dy2d.sum(0) if with_bias else None
 
 
 class _EmbeddingOp:
@@ -255,25 +275,37 @@ class _GroupedOp:
         return dw, None
 
 
+def splits(weight: torch.Tensor, defer: bool = True) -> bool:
+    """True when an op on ``weight`` built now is to be split (inside :func:`split_backward`, with autograd on and
+    ``weight`` trainable; ``defer`` False: the caller wants its weight gradient during B)."""
+    return defer and is_split() and torch.is_grad_enabled() and weight.requires_grad
+
+
+def split_op(op, extra, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``op.forward(x, weight, bias, extra)`` as a split op: its backward returns the input gradient and defers
+    the weight (and bias) gradient to the W step, keeping ``x`` and the output gradient (``_SplitGemm``)."""
+    return _SplitGemm.apply(op, extra, x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str,
            defer: bool = True) -> torch.Tensor:
     """``x [..., in] @ weight[out, in]^T + bias`` -> ``[..., out]``; inside :func:`split_backward` its weight
     gradient waits for the W step (unless ``defer`` is False)."""
-    if not (defer and is_split() and torch.is_grad_enabled() and weight.requires_grad):
+    if not splits(weight, defer):
         return cpu_gemm.linear(x, weight, bias, backend)
-    return _SplitGemm.apply(_LinearOp, backend, x, weight, bias)
+    return split_op(_LinearOp, backend, x, weight, bias)
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``weight[ids]``: ids ``[b, s]``, weight ``[v, h]`` -> ``[b, s, h]``; split as :func:`linear`."""
-    if not (is_split() and torch.is_grad_enabled() and weight.requires_grad):
+    if not splits(weight):
         return F.embedding(ids, weight)
-    return _SplitGemm.apply(_EmbeddingOp, weight.shape[0], ids, weight, None)
+    return split_op(_EmbeddingOp, weight.shape[0], ids, weight, None)
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``matmul(x [T, k], weight [E, k, n], counts [E])`` -> ``[T, n]`` (the experts' GEMM); split as :func:`linear`."""
-    if not (is_split() and torch.is_grad_enabled() and weight.requires_grad):
+    if not splits(weight):
         return matmul(x, weight, counts)
-    return _SplitGemm.apply(_GroupedOp, (counts, matmul), x, weight, None)
+    return split_op(_GroupedOp, (counts, matmul), x, weight, None)
