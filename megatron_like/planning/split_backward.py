@@ -18,8 +18,8 @@ the row's output gradient are the sequence shards ``T / tp`` (gathered again in 
   attention: the q (or q_up) and kv_up projections and the output projection (its down projections are replicated
   and get their gradients during B);
 * MLP ``T (h / n + f_1 / tp) + T (f / tp + h / n)``, ``f_1 = 2f`` with SwiGLU;
-* MoE layers: the fp32 router ``4 T' (h + E)`` (``T'`` the tokens the rank routes; a 16-bit router weight is cast,
-  so not a leaf: its gradient is taken in B), the experts ``P etp / tp (2h + (f_1 + f) / etp)`` over the ``P``
+* MoE layers: the fp32 router ``4 T (h + E)`` (each tp rank routes the whole sequence; a 16-bit router weight is
+  cast, so not a leaf: its gradient is taken in B), the experts ``P etp / tp (2h + (f_1 + f) / etp)`` over the ``P``
   routed pairs, and the shared expert as an MLP.
 
 The first stage's word (and learned position) embedding keeps its token ids (int64) and output gradient
@@ -147,11 +147,10 @@ def layer_stash(config: Config) -> Stash:
     moe_fraction = sum(pattern) / len(pattern) if pattern else 0.0
     mlp = dense
     if moe_fraction:
-        routed_tokens = tokens / (tp if p.sequence_parallel else 1)
-        # A 16-bit router weight is cast to fp32 in the forward, so not a leaf: its gradient is taken in B.
+        # Every tp rank routes the whole (gathered) sequence. A 16-bit router weight is cast to fp32 in the forward,
+        # so not a leaf: its gradient is taken in B.
         fp32_router = config.params_dtype_name == "float32"
-        router = Stash(4 / e * routed_tokens * h, 4 / e * routed_tokens * m.num_experts) if fp32_router \
-            else Stash(0.0, 0.0)
+        router = Stash(4 / e * tokens * h, 4 / e * tokens * m.num_experts) if fp32_router else Stash(0.0, 0.0)
         etp = tp if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
         pairs = routed_pairs(config) * etp / tp
         experts = Stash(pairs * (h + m.moe_ffn_size / etp), pairs * (gated * m.moe_ffn_size / etp + h))

@@ -82,8 +82,11 @@ class WeightGradWork:
                     totals[id(param)][1] = totals[id(param)][1] + grad
                 else:
                     totals[id(param)] = [param, grad]
-            # Dropping each closure once it ran frees what it kept (its op's input and output gradient).
-            pairs = self.closures.pop(0)() if self.closures else []
+            # Dropping each closure once it ran frees what it kept (its op's input and output gradient). A
+            # closure runs outside autograd's backward, so grad mode is turned off here as the backward would: no
+            # graph is built on its inputs (which may require grad), and the collectives' outputs can be written.
+            with torch.no_grad():
+                pairs = self.closures.pop(0)() if self.closures else []
         return [param for param, _ in totals.values()], [grad for _, grad in totals.values()]
 
 

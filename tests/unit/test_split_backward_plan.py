@@ -8,32 +8,11 @@ import pytest
 from megatron_like.config import parse_config
 from megatron_like.pipeline_parallel import Step
 from megatron_like.planning.split_backward import Stash, held_at_peak, layer_stash
+from tests.saved_tensors import kept_for_weight_grads
 from tests.unit.test_plan import LAYER, LLAMA, MLA, MOE
 
 CASES = {"gpt": [], "llama": LLAMA, "llama-bf16": LLAMA + ["--bf16"], "gpt-moe": ["--disable-bias-linear"] + MOE,
          "llama-moe-bf16": LLAMA + MOE + ["--bf16"], "mla": MLA}
-
-
-def kept_for_weight_grads(config) -> int:
-    """Bytes the W work of one TransformerLayer of ``config`` keeps from its B on ``[64, 4, 256]``
-    (``WeightGradWork.kept_bytes``: every deferred GEMM's input and output gradient)."""
-    import torch
-
-    from megatron_like.model.transformer import TransformerLayer
-    from megatron_like.parallel_state import ParallelState
-    from megatron_like.tensor_parallel import weight_grad
-    from megatron_like.tensor_parallel.random import seed_everything
-
-    dtype = torch.bfloat16 if config.precision.bf16 else torch.float32
-    layer = TransformerLayer(config.model, ParallelState.single_process(torch.device("cpu")), 0, 1, False, dtype)
-    x = torch.randn(64, 4, 256, dtype=dtype, requires_grad=True)
-    seed_everything(1, tp_rank=0, pp_rank=0)
-    with weight_grad.split_backward():
-        y = layer(x)
-        with weight_grad.deferring_weight_grads(list(layer.parameters())) as work:
-            y.sum().backward()
-    assert work.closures, "the layer deferred no weight gradient"
-    return work.kept_bytes
 
 
 @pytest.mark.parametrize("extra", list(CASES.values()), ids=list(CASES))
