@@ -1,7 +1,8 @@
 """The zero-bubble schedules trained through pretrain() equal the single-process run. ZB-H1: GPT and Llama, tp2 +
-sp, ZeRO 1-3 (with the overlapped reduction), full recompute, MoE at ep2, bf16 and cp2, all at pp2. ZB-V and
-DualPipeV (two chunks per rank in a V, the loss on rank 0): GPT and Llama, tp2 + sp, ZeRO-1 and 3, full
-recompute, MoE at ep2, spread over six runs, at pp2 (pp4 is checked on the simulator:
+sp (W gathering the sequence shards again), ZeRO 1-3 (with the overlapped reduction), full recompute, MoE at ep2,
+bf16 and cp2, all at pp2. ZB-V and DualPipeV (two chunks per rank in a V, the loss on rank 0): GPT and Llama, tp2 +
+sp (with --keep-gathered-sequence-for-wgrad), ZeRO-1 and 3, full recompute, MoE at ep2, spread over six runs, at
+pp2 (pp4 is checked on the simulator:
 test_zero_bubble_schedules.py). Each run's trace must show its schedule's order with its W steps, and every W
 step must have run deferred GEMM weight gradients (so a schedule that silently fell back to 1F1B, or to unsplit
 backwards, fails here although its losses would match).
@@ -50,7 +51,7 @@ CASES: dict[int, dict[str, tuple[str, list[str]]]] = {
         "llama-dp2-pp2-zero3": ("llama", zero(3)),
         "moe-dp2-pp2-ep2": ("moe", EP2),
         "llama-cp2-pp2": ("llama", ["--context-parallel-size", "2"]),
-        "zb-v-llama-tp2-sp-pp2": ("llama", TP2_SP),
+        "zb-v-llama-tp2-sp-pp2-keep-gathered": ("llama", TP2_SP + ["--keep-gathered-sequence-for-wgrad"]),
         "zb-v-moe-dp2-pp2-ep2-zero3": ("moe", EP2 + zero(3)),
         "dualpipev-gpt-dp2-pp2-zero1-overlap-recompute-full": ("gpt", zero(1, "--overlap-grad-reduce") + RECOMPUTE),
         "dualpipev-moe-dp2-pp2-ep2": ("moe", EP2),
@@ -65,15 +66,19 @@ def schedule_of(name: str) -> str:
 
 def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
     """``train_gpt`` with the schedule trace and, per W step run, how many deferred weight-gradient closures it
-    ran (those of the split GEMMs)."""
+    ran (those of the split GEMMs) and the bytes its all-gathers sent (the sequence shards gathered again)."""
+    from megatron_like import collectives as comm
     from megatron_like.tensor_parallel import weight_grad
 
     closures_per_w: list[int] = []
+    gathered_per_w: list[int] = []
     original = weight_grad.WeightGradWork.run
 
     def counting_run(work: weight_grad.WeightGradWork) -> None:
         closures_per_w.append(len(work.closures))
-        original(work)
+        with comm.count_traffic() as traffic:
+            original(work)
+        gathered_per_w.append(traffic.by_kind.get("all_gather", 0))
 
     weight_grad.WeightGradWork.run = counting_run
     try:
@@ -82,7 +87,7 @@ def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
     finally:
         weight_grad.WeightGradWork.run = original
     return {**result, "steps": [tuple(e.step) for e in trace.events], "runs": trace.runs,
-            "closures_per_w": closures_per_w}
+            "closures_per_w": closures_per_w, "gathered_per_w": gathered_per_w}
 
 
 def train_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> list[dict]:
@@ -116,6 +121,10 @@ def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> Non
         assert any(step[0] == "W" for step in result["steps"]), "no W step ran: the backward was not split"
         # Every W ran deferred GEMM weight gradients (the linears, and on the first stage the embedding too).
         assert result["closures_per_w"] and min(result["closures_per_w"]) > 0
+    flags = CASES[world_size][name][1]
+    if "--sequence-parallel" in flags:  # every W gathers the sequence shards again, unless told to keep them
+        gathered = [min(result["gathered_per_w"]) > 0 for result in results]
+        assert gathered == ["--keep-gathered-sequence-for-wgrad" not in flags] * len(results)
 
 
 @pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1),
