@@ -373,8 +373,11 @@ def format_plan(plan: Plan, device_memory_gib: float) -> str:
     ]
     if p.pipeline_schedule in ("zb-h1", "zb-v", "dualpipev"):
         stashed = max(plan.ranks, key=lambda r: r.activations.awaiting_w)
-        lines.append(f" > W stashes (deferred weight gradients' inputs and output gradients) in the activations: up "
-                     f"to {stashed.activations.awaiting_w / GIB:.2f} GiB, on pp rank {stashed.pp_rank}")
+        kept = ""
+        if p.sequence_parallel:
+            kept = " (gathered sequence kept)" if p.keep_gathered_sequence_for_wgrad else " (sequence shards)"
+        lines.append(f" > W stashes{kept} (deferred weight gradients' inputs and output gradients) in the activations: "
+                     f"up to {stashed.activations.awaiting_w / GIB:.2f} GiB, on pp rank {stashed.pp_rank}")
     dispatcher = max(r.dispatcher_bytes for r in plan.ranks)
     if dispatcher:
         lines.append(f" > expert-parallel {c.model.moe_token_dispatcher_type} bytes sent per rank per iteration "
