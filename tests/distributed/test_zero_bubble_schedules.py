@@ -110,6 +110,22 @@ def test_schedule_flag_and_its_one_line_errors():
         parse_config(flags + ["--pipeline-schedule", "interleaved"], world_size=2)
 
 
+def test_keep_gathered_sequence_flag_and_its_one_line_errors():
+    """--keep-gathered-sequence-for-wgrad needs --sequence-parallel and a schedule with W steps (else it would do
+    nothing); test_zero_bubble_training.py checks that it reaches the W steps."""
+    flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--micro-batch-size", "1", "--mock-data",
+             "--vocab-size", "256", "--global-batch-size", "4", "--num-attention-heads", "2",
+             "--tensor-model-parallel-size", "2", "--keep-gathered-sequence-for-wgrad"]
+    config = parse_config(flags + ["--sequence-parallel", "--pipeline-schedule", "zb-v"], world_size=4)
+    assert config.parallel.keep_gathered_sequence_for_wgrad
+    for extra, message in [(["--pipeline-schedule", "zb-h1"], "--keep-gathered-sequence-for-wgrad needs "
+                                                               "--sequence-parallel"),
+                           (["--sequence-parallel"], "--keep-gathered-sequence-for-wgrad applies to the deferred")]:
+        with pytest.raises(ConfigError, match=message) as error:
+            parse_config(flags + extra, world_size=4)
+        assert "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------- ZB-V and DualPipeV (two chunks per rank, a V)
 V_LAYOUTS = [(pp, m) for pp in (2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
 V_PEAK = {"zb-v": lambda pp: 2 * pp, "dualpipev": lambda pp: 2 * pp + 1}  # chunk micro batches held
