@@ -66,16 +66,19 @@ def schedule_of(name: str) -> str:
 
 def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
     """``train_gpt`` with the schedule trace and, per W step run, how many deferred weight-gradient closures it
-    ran (those of the split GEMMs) and the bytes its all-gathers sent (the sequence shards gathered again)."""
+    ran (those of the split GEMMs), the bytes they kept from B (the W stash) and the bytes its all-gathers sent
+    (the sequence shards gathered again)."""
     from megatron_like import collectives as comm
     from megatron_like.tensor_parallel import weight_grad
 
     closures_per_w: list[int] = []
     gathered_per_w: list[int] = []
+    kept_per_w: list[int] = []
     original = weight_grad.WeightGradWork.run
 
     def counting_run(work: weight_grad.WeightGradWork) -> None:
         closures_per_w.append(len(work.closures))
+        kept_per_w.append(work.kept_bytes)
         with comm.count_traffic() as traffic:
             original(work)
         gathered_per_w.append(traffic.by_kind.get("all_gather", 0))
@@ -87,7 +90,7 @@ def train_and_count(rank: int, world_size: int, flags: list[str]) -> dict:
     finally:
         weight_grad.WeightGradWork.run = original
     return {**result, "steps": [tuple(e.step) for e in trace.events], "runs": trace.runs,
-            "closures_per_w": closures_per_w, "gathered_per_w": gathered_per_w}
+            "closures_per_w": closures_per_w, "gathered_per_w": gathered_per_w, "kept_per_w": kept_per_w}
 
 
 def train_many(rank: int, world_size: int, flag_lists: list[list[str]]) -> list[dict]:
@@ -125,6 +128,27 @@ def test_zb_h1_training_equals_single_process(world_size: int, name: str) -> Non
     if "--sequence-parallel" in flags:  # every W gathers the sequence shards again, unless told to keep them
         gathered = [min(result["gathered_per_w"]) > 0 for result in results]
         assert gathered == ["--keep-gathered-sequence-for-wgrad" not in flags] * len(results)
+        assert_w_stashes_are_the_planners(results, MODELS[model] + ZB + flags + ["--pipeline-schedule",
+                                                                                schedule_of(name)], world_size)
+
+
+def assert_w_stashes_are_the_planners(results: list[dict], flags: list[str], world_size: int) -> None:
+    """Each rank's W stashes (``WeightGradWork.kept_bytes``, one value per chunk) are the planner's: a chunk's
+    layers times ``layer_stash``, plus ``embedding_stash`` on the first stage, within 2%."""
+    from megatron_like.config import parse_config
+    from megatron_like.pipeline_parallel.placement import ChunkPlacement
+    from megatron_like.planning.split_backward import embedding_stash, layer_stash
+    from tests.distributed.gpt_runs import BASE_FLAGS
+
+    config = parse_config(BASE_FLAGS + flags, world_size=world_size)
+    pp, vp = config.parallel.pipeline_model_parallel_size, 2 if config.parallel.v_shape else 1
+    placement = ChunkPlacement(pp, vp, config.parallel.v_shape)
+    layers = config.model.num_layers // (pp * vp)
+    for result in results:
+        pp_rank = result["coords"][2]
+        planned = sorted({layers * layer_stash(config).total + placement.is_first(pp_rank, c)
+                          * embedding_stash(config).total for c in range(vp)})
+        assert sorted(set(result["kept_per_w"])) == pytest.approx(planned, rel=0.02), (pp_rank, planned)
 
 
 @pytest.mark.parametrize("name,steps_of,chunks", [("gpt-pp2", zb_h1_steps, 1),
