@@ -30,8 +30,8 @@ choice arises for the time between B and W. By default these ops keep the shards
 
 So a W stash holds what 1F1B's backward would have held for a moment, split by tp, at the price of one more
 all-gather of ``[s, b, .]`` per linear and micro batch, run in W where no other stage waits for it.
-``--keep-gathered-sequence-for-wgrad`` keeps the gathered tensors instead (``layers.py`` then takes the plain
-mappings around ``weight_grad.linear``): no extra all-gather, ``tp`` times those tensors' memory from B (the
+``--keep-gathered-sequence-for-wgrad`` (``weight_grad.keeps_gathered()``) keeps the gathered tensors instead (the
+plain mappings around ``weight_grad.linear``): no extra all-gather, ``tp`` times those tensors' memory from B (the
 column's: from F) until W.
 """
 
