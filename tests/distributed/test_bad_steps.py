@@ -136,8 +136,8 @@ def test_transient_fault_exits_16_and_a_restart_ends_as_a_straight_run(tmp_path)
     assert "a transient fault" in ranks[0][1] and "holds no checkpoint" in ranks[0][1], ranks[0][1]
     assert (saved / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     # The restart torchrun --max-restarts 1 starts on that status (the same command, TORCHELASTIC_RESTART_COUNT 1;
-    # torchrun's own restart is tested in tests/e2e/test_fault.py): the fault does not fire again, the run resumes
-    # at iteration 3 and finishes with the straight run's weights.
+    # torchrun's own restart is tested in tests/e2e/test_fault.py): it resumes at iteration 3 and finishes with the
+    # straight run's weights.
     ranks = run_distributed(_restarted_rank, 2, "pretrain_gpt.py", TINY + flags, True, False)
     assert [code for code, _, _ in ranks] == [0, 0], ranks
     out = "".join(stdout for _, stdout, _ in ranks)
