@@ -18,10 +18,15 @@ from megatron_like import collectives as comm
 from megatron_like.config import parse_config
 from megatron_like.parallel_state import ParallelState
 
+TRAIN_ITERS = 2
+"""Training steps of every run of BASE_FLAGS. The second step starts from updated weights and carries optimizer
+state (Adam's moments and step count, the lr schedule) and the logged loss of the updated model; a third runs the
+same code again. Each step is most of a multi-process run's time (its ranks wait in gloo collectives)."""
+
 BASE_FLAGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
     "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--vocab-size", "256", "--hidden-dropout", "0",
+    "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3", "--mock-data", "--vocab-size", "256", "--hidden-dropout", "0",
     "--attention-dropout", "0", "--log-interval", "1", "--seed", "1234", "--num-workers", "0",
     "--make-vocab-size-divisible-by", "8", "--eval-iters", "0",
     # Adam divides by sqrt(v) + eps: with the default 1e-8 a gradient of 1e-9 (rounding noise on a

@@ -1,4 +1,4 @@
-"""Resuming from a checkpoint continues exactly: 8 steps straight == 4 steps + save + load + 4 steps.
+"""Resuming from a checkpoint continues exactly: 4 steps straight == 2 steps + save + load + 2 steps.
 
 Layouts: tp2 x pp2, pp2 under the zero-bubble schedules ZB-H1, ZB-V and DualPipeV (two chunks per rank in a V),
 and ZeRO-2 over dp2 (every dp rank saves its own
@@ -21,9 +21,11 @@ from tests.distributed.gpt_runs import train_gpt
 from tests.distributed.harness import run_distributed
 
 # Dropout on, so the restored RNG states (default stream and the tp tracker) matter; the lr schedule
-# spans 8 iterations in every run so the 4-iteration run decays the same way.
-RESUME_FLAGS = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--lr-decay-iters", "8",
-                "--lr-warmup-iters", "2", "--lr-decay-style", "cosine"]
+# spans 4 iterations in every run so the 2-iteration run warms up and decays the same way. Two steps before the
+# save leave Adam's moments and step count, the schedule and the generators past their first step.
+RESUME_FLAGS = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--lr-decay-iters", "4",
+                "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
+STRAIGHT, SAVED = 4, 2
 
 
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
@@ -46,16 +48,16 @@ LAYOUTS = {  # name: (world size, layout, checkpoint format)
 
 
 def straight_and_resumed(rank: int, world_size: int, cases: dict[str, tuple[list[str], str]], root: str) -> dict:
-    """For each case ``{name: (layout, format)}``: the losses of 8 straight steps, of 4 steps that save and of the
-    4 more that load them; the straight run (which saves nothing) once per layout."""
+    """For each case ``{name: (layout, format)}``: the losses of STRAIGHT straight steps, of SAVED steps that save
+    and of the ones more that load them; the straight run (which saves nothing) once per layout."""
     out, straight = {}, {}
     for name, (layout, fmt) in cases.items():
         flags = RESUME_FLAGS + layout + ["--ckpt-format", fmt]
         if tuple(layout) not in straight:
-            straight[tuple(layout)] = train_gpt(rank, world_size, flags + ["--train-iters", "8"])["losses"]
+            straight[tuple(layout)] = train_gpt(rank, world_size, flags + ["--train-iters", str(STRAIGHT)])["losses"]
         save = os.path.join(root, name)
-        first = train_gpt(rank, world_size, flags + ["--train-iters", "4", "--save", save])
-        resumed = train_gpt(rank, world_size, flags + ["--train-iters", "8", "--load", save])
+        first = train_gpt(rank, world_size, flags + ["--train-iters", str(SAVED), "--save", save])
+        resumed = train_gpt(rank, world_size, flags + ["--train-iters", str(STRAIGHT), "--load", save])
         out[name] = {"straight": straight[tuple(layout)], "first": first["losses"], "resumed": resumed["losses"],
                      "saved": os.path.exists(os.path.join(save, "latest_checkpointed_iteration.txt"))}
     return out
@@ -77,9 +79,9 @@ def test_resume_gives_bitwise_equal_losses(name):
     with_loss = [r for r in results if r["straight"]]
     assert with_loss
     for r in with_loss:
-        assert len(r["straight"]) == 8 and len(r["first"]) == 4 and len(r["resumed"]) == 4
-        assert r["first"] == r["straight"][:4]
-        assert r["resumed"] == r["straight"][4:], "resumed run diverged from the straight run"
+        assert len(r["straight"]) == STRAIGHT and len(r["first"]) == SAVED and len(r["resumed"]) == STRAIGHT - SAVED
+        assert r["first"] == r["straight"][:SAVED]
+        assert r["resumed"] == r["straight"][SAVED:], "resumed run diverged from the straight run"
 
 
 # ------------------------------------------------------------------ resuming with changed arguments

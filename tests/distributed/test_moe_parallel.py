@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from megatron_like.config import ConfigError, parse_config
-from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt, train_gpt_many
+from tests.distributed.gpt_runs import TRAIN_ITERS, assert_same_training, merge_ranks, train_gpt, train_gpt_many
 from tests.distributed.harness import run_distributed
 
 MOE = [
@@ -121,7 +121,7 @@ def runs() -> dict[str, dict]:
     return {name: merge_ranks([rank_results[i] for rank_results in per_rank]) for i, name in enumerate(names)}
 
 
-def assert_same_router_losses(reference: dict, run: dict, steps: int = 3) -> None:
+def assert_same_router_losses(reference: dict, run: dict, steps: int = TRAIN_ITERS) -> None:
     names = sorted(reference["moe_losses"][0])  # no load_balancing_loss with sinkhorn
     assert names in (["load_balancing_loss", "z_loss"], ["z_loss"])
     assert [sorted(step) for step in run["moe_losses"]] == [names] * steps
@@ -151,7 +151,7 @@ def test_deepseek_reference_moves_its_biases_and_its_group_limit_binds() -> None
     """The DeepSeek cases above are not plain routing in disguise: the single-process run's biases move every
     step (in every MoE layer), and its losses differ from the same model without the group limit."""
     run = reference(tuple(DEEPSEEK))
-    assert len(run["expert_biases"]) == 3
+    assert len(run["expert_biases"]) == TRAIN_ITERS
     for step, biases in enumerate(run["expert_biases"], start=1):
         assert sorted(biases) == [1, 2, 3]
         for bias in biases.values():  # each step moves every expert by -rate, 0 or +rate

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_like.pipeline_parallel import record_schedule
 from megatron_like.pipeline_parallel.trace import TraceEvent, max_in_flight
-from tests.distributed.gpt_runs import BASE_FLAGS, assert_same_training, full_parameters, merge_ranks
+from tests.distributed.gpt_runs import BASE_FLAGS, TRAIN_ITERS, assert_same_training, full_parameters, merge_ranks
 from tests.distributed.harness import run_distributed
 from tests.distributed.megatron_order import megatron_order
 
@@ -116,7 +116,7 @@ def test_trace_follows_the_schedule_and_its_memory_bound(world_size, name):
         runs = runs_of(result)
         training = [run for run in runs if any(e.kind == "B" for e in run)]
         evaluation = [run for run in runs if all(e.kind == "F" for e in run)]
-        assert len(training) == 3 and evaluation, "three training steps and the evaluations"
+        assert len(training) == TRAIN_ITERS and evaluation, "every training step and the evaluations"
         for run in training:
             steps = [e.step for e in run]
             # The order actually run equals Megatron-LM's, restated independently of schedules.py.

@@ -5,6 +5,7 @@
   runs: the torch format, torch_dist, torch_dist in the background (``--async-save``).
 * ``slow_save`` on every rank, 3 s longer than the hang watchdog's per-iteration limit: a synchronous save in the
   middle of the run and the final background write both complete (the watchdog would end the process, status 1).
+  The limit is the timeout plus a grace of 1 s here (5 s in training) to keep the sleeps short.
   The two run in two process groups at once: their ranks sleep through the slow saves, which then overlap.
 """
 
@@ -48,7 +49,11 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once_with_one_line(tmp_p
 
 def slow_save(rank: int, world_size: int, save: str, way: list[str], fault: str) -> int | None:
     """A run whose save hit by ``fault`` is slow: the iteration the tracker names at the end."""
-    # 0.1 minutes: the watchdog's per-iteration limit is 6 + 5 s; each slow save takes 14 s.
+    from megatron_like.training import signals
+
+    # 0.1 minutes and a grace of 1 s (5 by default; this rank's own process): the watchdog's per-iteration limit is
+    # 6 + 1 s, each slow save takes 10 s. A healthy iteration of this model takes well under a second.
+    signals.WATCHDOG_GRACE_SECONDS = 1.0
     train_gpt(rank, world_size, SMALL + way + ["--train-iters", "3", "--save", save, "--inject-fault", fault,
                                                "--distributed-timeout-minutes", "0.1"])
     return latest_iteration(save)
@@ -56,7 +61,7 @@ def slow_save(rank: int, world_size: int, save: str, way: list[str], fault: str)
 
 def test_a_save_longer_than_the_watchdog_limit_completes(tmp_path):
     # A slow synchronous save mid-run and a slow final background write, in two process groups at once: each
-    # rank sleeps through its 14 s save, so the two waits overlap.
+    # rank sleeps through its 10 s save, so the two waits overlap.
     runs = {"sync": ([], "slow_save@2"), "async": (["--async-save"], "slow_save@3")}
     results = run_distributed_together([(slow_save, 2, str(tmp_path / name), way, fault)
                                         for name, (way, fault) in runs.items()], timeout=240)

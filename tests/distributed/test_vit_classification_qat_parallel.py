@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from tests.distributed.gpt_runs import assert_same_training, full_parameters, merge_ranks, train_gpt
+from tests.distributed.gpt_runs import TRAIN_ITERS, assert_same_training, full_parameters, merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
 from tests.distributed.qat_record import GRID_ATOL, QuantizerRecorder, codes, merge_records, replay
 
@@ -34,7 +34,7 @@ TP, PP, SP = "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "
 # design (measured in docs/workflows.md); the optimizer under tp x pp is proven by the float tests.
 QAT_FLAGS = ["--qat", "--lr", "0"]
 QAT_LINEARS = ("attention.qkv", "attention.proj", "mlp.fc1", "mlp.fc2")
-QAT_LAYERS, QAT_ITERS, QAT_MICRO_BATCHES = 4, 3, 4  # gpt_runs.BASE_FLAGS: 4 layers, 3 iterations, 8 / 2
+QAT_LAYERS, QAT_ITERS, QAT_MICRO_BATCHES = 4, TRAIN_ITERS, 4  # gpt_runs.BASE_FLAGS: 4 layers, TRAIN_ITERS, 8 / 2
 
 
 def vit_run(flags: list[str], world_size: int) -> dict:

@@ -7,7 +7,7 @@ test_zero_bubble_schedules.py). Each run's trace must show its schedule's order 
 step must have run deferred GEMM weight gradients (so a schedule that silently fell back to 1F1B, or to unsplit
 backwards, fails here although its losses would match).
 
-Process groups run several layouts in turn (spawning costs more than a run), 3 steps of a 4-layer model each.
+Process groups run several layouts in turn (spawning costs more than a run), 2 steps of a 4-layer model each.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from megatron_like.config.parallel import V_SCHEDULES
 from megatron_like.pipeline_parallel import dualpipev_steps, record_schedule, zb_h1_steps, zb_v_steps
-from tests.distributed.gpt_runs import assert_same_training, merge_ranks, train_gpt
+from tests.distributed.gpt_runs import TRAIN_ITERS, assert_same_training, merge_ranks, train_gpt
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_llama_parallel import LLAMA
 from tests.distributed.test_mixed_precision import assert_close_at_precision
@@ -155,13 +155,13 @@ def assert_w_stashes_are_the_planners(results: list[dict], flags: list[str], wor
                                                   ("zb-v-gpt-pp2-recompute-full", zb_v_steps, 2),
                                                   ("dualpipev-llama-pp2", dualpipev_steps, 2)])
 def test_traced_order_is_the_schedules(name: str, steps_of, chunks: int) -> None:
-    """The order run (3 training steps, then evaluations) is the schedule's for the rank's stage."""
+    """The order run (every training step, then evaluations) is the schedule's for the rank's stage."""
     results = runs(2)[name]
     for stage, result in enumerate(results):
         steps = result["steps"]
         order = [tuple(s) for s in steps_of(2, stage, 4)]
-        assert steps[: 3 * len(order)] == order * 3
-        assert len(result["closures_per_w"]) == 3 * 4 * chunks  # one W per micro batch, chunk and step
+        assert steps[: TRAIN_ITERS * len(order)] == order * TRAIN_ITERS
+        assert len(result["closures_per_w"]) == TRAIN_ITERS * 4 * chunks  # one W per micro batch, chunk and step
 
 
 def v_peak_bytes(rank: int, world_size: int) -> dict[str, int]:

@@ -4,8 +4,10 @@ process and torchrun tp=2) against HF greedy, the HTTP server at tp=2 with valid
 evaluate.py (one process and dp=2) against HF's loss, export.py's program. The torch format's readers
 share ``load_full_state`` with these (tests/unit/test_generation_state.py).
 
-The checkpoint's training and the tp=2 generation go through a real torchrun (the README's demo commands);
-the other tools run in processes forked from the test harness's server (tests/e2e/cli.py)."""
+The tp=2 generation goes through a real torchrun (the README's command, the suite's one launcher smoke run of a
+tool); the checkpoint's training, the server and the other tools run in processes forked from the test harness's
+server as torchrun would start them (tests/e2e/cli.py): an agent and a fresh interpreter per worker cost ~3 s of CPU
+each before any work."""
 
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,7 +28,7 @@ import transformers  # a test dependency: missing, these tests fail
 from megatron_like.inference import load_inference_model
 from megatron_like.model.state import load_full_state
 from megatron_like.parallel_state import ParallelState
-from tests.e2e.cli import ROOT, launch, run_script, torchrun
+from tests.e2e.cli import launch, run_script, serve, torchrun
 
 VOCAB = 500
 PROMPT_IDS = ["3 14 15 92 65", "35 89"]
@@ -46,7 +47,7 @@ def checkpoint(tmp_path_factory) -> str:
                    "--micro-batch-size", "2", "--global-batch-size", "4", "--init-method-std", "0.2",
                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--eval-iters", "1",
                    "--save", str(root / "ckpt")]
-    torchrun(4, train_flags)
+    launch(4, train_flags)
     assert (root / "ckpt" / "iter_0000003" / ".metadata").exists()  # torch_dist, Megatron's default
     return str(root / "ckpt")
 
@@ -129,22 +130,9 @@ def put(port: int, body: bytes) -> tuple[int, dict]:
 
 def test_server_under_tp2_answers_valid_requests_and_refuses_invalid_ones(checkpoint, hf_dir):
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "tools/text_generation_server.py", "--load", checkpoint, "--tensor-model-parallel-size", "2",
-         "--port", str(port), "--max-prompts", "4", "--max-prompt-tokens", "24"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = serve(2, checkpoint, port, ["--tensor-model-parallel-size", "2", "--max-prompts", "4",
+                                         "--max-prompt-tokens", "24"], timeout=90)
     try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    raise AssertionError(f"server did not start:\n{server.stdout.read()}") from None
-                time.sleep(0.5)
         valid = json.dumps({"prompts": PROMPT_IDS, "tokens_to_generate": 8, "top_k": 1}).encode()
         status, first = put(port, valid)
         assert status == 200, first
@@ -177,12 +165,7 @@ def test_server_under_tp2_answers_valid_requests_and_refuses_invalid_ones(checkp
         assert status == 200 and [len(t) for t in sampled["tokens"]] == [5, 5]
         assert put(port, valid) == (200, first)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        server.stop()
 
 
 def test_evaluate_perplexity_and_lambada_match_hf(checkpoint, hf_dir, tmp_path):
