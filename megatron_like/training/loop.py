@@ -1,6 +1,7 @@
 """The training loop: ``pretrain()`` in Megatron's shape.
 
-Order of one run: (flag and path checks) -> process groups -> the lock of ``--save`` -> seeds -> model
+Order of one run: (flag and path checks) -> process groups -> glibc keeps freed memory (CPU,
+``process_setup.py``) -> the lock of ``--save`` -> seeds -> model
 chunks -> optimizer and schedule -> (validate the checkpoint on every rank, resume) ->
 data iterators -> steps (forward/backward schedule, gradient reductions, every rank's bad-step verdict
 (``bad_steps.py``), clipping, AdamW, lr) with the log line, evaluation and checkpoints at their intervals.
@@ -50,6 +51,7 @@ from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
 from megatron_like.training.preflight import check_run_paths
+from megatron_like.training.process_setup import keep_freed_memory
 from megatron_like.training.signals import SAVE_FAILED, ExitConditions, saving
 from megatron_like.training.signals import beat as watchdog_beat
 from megatron_like.training.stragglers import StragglerReport
@@ -332,6 +334,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
+    print_rank(ps, f" > {keep_freed_memory(config.training.keep_freed_memory, ps.device).reason}")
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
     install_faults(config.resilience.inject_fault)  # a test tool; empty (off) unless --inject-fault is given
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)
