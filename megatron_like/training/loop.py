@@ -25,6 +25,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
 from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
+from megatron_like.kernels import refresh_environment as refresh_kernel_environment
 from megatron_like.model import chunk_layers
 from megatron_like.model.moe import reduce_aux_losses, reset_aux_losses, set_aux_loss_backward_scale
 from megatron_like.model.moe.expert_bias import routers_with_expert_bias, update_expert_biases
@@ -333,6 +334,7 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
              padded_vocab_size: int | None = None) -> TrainingResult:
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
+    refresh_kernel_environment()  # MEGATRON_LIKE_NO_CSRC as it is now, should this process have changed it
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
     print_rank(ps, f" > {keep_freed_memory(config.training.keep_freed_memory, ps.device).reason}")
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
