@@ -24,6 +24,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     if name == "fallback":
         monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
         _loader.refresh_environment()  # tests/conftest.py refreshes again once monkeypatch has undone it
+        assert _loader.load("layer_norm") is None, "the fallback param would run the compiled kernels"
         yield name
         return
     if _loader.csrc_disabled():

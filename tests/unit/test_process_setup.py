@@ -18,16 +18,27 @@ from tests.distributed.gpt_runs import train_gpt
 ROOT = Path(__file__).resolve().parents[2]
 # Rounds of 24 blocks of 4 MiB, written and freed together. With glibc's defaults the free top of the heap passes
 # its adaptive trim threshold (twice the largest block freed, 8 MiB here) and goes back to the system, so every
-# round faults its 96 MiB in again (about 24 k pages); kept, a round reuses the pages of the one before.
+# round faults its 96 MiB in again (about 24 k pages); kept, a round reuses the pages of the one before. The blocks
+# come straight from malloc: a torch tensor's small C++ objects can land above them and keep the defaults from
+# trimming in some runs, which would hide the difference.
 CHILD = """
-import json, resource, torch
+import ctypes, json, resource, torch
 from megatron_like.training.process_setup import keep_freed_memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+BLOCK = 4 << 20
 
 def faults_of_rounds():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(3):
-        blocks = [torch.ones(1 << 20) for _ in range(24)]
-        del blocks
+        blocks = [libc.malloc(BLOCK) for _ in range(24)]
+        for block in blocks:
+            libc.memset(block, 1, BLOCK)
+        for block in reversed(blocks):
+            libc.free(block)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 faults_of_rounds()  # first touch
