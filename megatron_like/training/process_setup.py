@@ -1,13 +1,15 @@
 """Process-wide settings a training run applies once at start-up: glibc keeps the memory a CPU step frees.
 
 A CPU step frees its activations and allocates them again in the next step. By default glibc hands large freed
-blocks back to the system (buffers of 128 KiB and more live in their own ``mmap``; free memory at the top of
-the heap is trimmed once it passes a threshold that glibc adapts upwards to at most 64 MiB), so every step
-page-faults the same memory in again: hundreds of thousands of minor faults per step at the benchmark sizes
-(docs/performance.md). A GPU's caching allocator keeps freed blocks for the next step; :func:`keep_freed_memory`
-makes glibc do the same through ``mallopt``: blocks up to 32 MiB come from the heap, and the heap is trimmed only
-when more than 1 GiB of it is free. Larger blocks still get their own ``mmap`` (32 MiB is the most glibc allows
-on 64-bit). The cost is resident memory: what one step freed stays with the process, up to its peak.
+blocks back to the system (blocks of 128 KiB and more, up to an adaptive 32 MiB, and every larger one, get their
+own ``mmap``, unmapped when freed; free memory at the top of the heap is trimmed past an adaptive threshold of
+at most 64 MiB), so every step page-faults the same memory in again: 500 k minor faults per step, 2 GiB of
+fresh pages, at benchmarks/keep_freed_memory.py's issue sizes, where the logits of one micro batch are 51 MiB.
+A GPU's caching allocator keeps freed blocks for the next step; :func:`keep_freed_memory` makes glibc do the
+same through ``mallopt``: no block gets its own ``mmap`` (``M_MMAP_MAX`` 0: every block comes from the heap,
+whatever its size), and the heap is trimmed only when more than 1 GiB at its top is free. Raising the mmap
+threshold instead is not enough: glibc caps it at 32 MiB, below the logits. The cost is resident memory: what
+a step freed stays with the process for the next one (docs/training.md gives the figures).
 
 The setting is process-wide and cannot be undone (glibc has no call that restores its adaptive defaults), so
 it is made once, by ``pretrain()``, for CPU runs only (``--no-keep-freed-memory`` skips it). Elsewhere than
@@ -23,10 +25,8 @@ import torch
 
 M_TRIM_THRESHOLD = -1
 """glibc's ``mallopt`` parameter: free memory at the top of the heap above this many bytes goes back to the OS."""
-M_MMAP_THRESHOLD = -3
-"""glibc's ``mallopt`` parameter: blocks of at least this many bytes get their own ``mmap``."""
-KEPT_MMAP_THRESHOLD = 32 << 20
-"""32 MiB: the largest ``M_MMAP_THRESHOLD`` glibc accepts on 64-bit (half its heap size)."""
+M_MMAP_MAX = -4
+"""glibc's ``mallopt`` parameter: how many blocks may have their own ``mmap`` at once (0: none)."""
 KEPT_TRIM_THRESHOLD = 1 << 30
 """1 GiB: freed heap memory up to this much stays with the process."""
 
@@ -38,7 +38,7 @@ class FreedMemorySetting:
     kept: bool
     """True when glibc now keeps freed memory (both ``mallopt`` calls succeeded)."""
     reason: str
-    """One line for the log: the thresholds set, or why nothing was set."""
+    """One line for the log: what was set, or why nothing was."""
 
 
 _applied: FreedMemorySetting | None = None
@@ -72,13 +72,11 @@ def keep_freed_memory(enabled: bool, device: torch.device) -> FreedMemorySetting
         setting = FreedMemorySetting(False, f"glibc's default trimming (the activations live on {device.type})")
     elif libc is None:
         setting = FreedMemorySetting(False, "the C library is not glibc: its own trimming left as it is")
-    elif libc.mallopt(M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD) == 1 and \
-            libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD) == 1:
-        setting = FreedMemorySetting(True, f"glibc keeps freed memory (blocks up to {KEPT_MMAP_THRESHOLD >> 20} MiB "
-                                           f"from the heap, trimmed above {KEPT_TRIM_THRESHOLD >> 30} GiB free; "
-                                           "--no-keep-freed-memory turns it off)")
+    elif libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD) == 1:
+        setting = FreedMemorySetting(True, "glibc keeps freed memory (every block from the heap, trimmed above "
+                                           f"{KEPT_TRIM_THRESHOLD >> 30} GiB free; --no-keep-freed-memory: off)")
     else:
-        setting = FreedMemorySetting(False, "glibc refused mallopt(M_MMAP_THRESHOLD / M_TRIM_THRESHOLD): "
-                                            "its default trimming stays")
+        setting = FreedMemorySetting(False, "glibc refused mallopt(M_MMAP_MAX / M_TRIM_THRESHOLD): its default "
+                                            "trimming stays")
     _applied = setting
     return setting
