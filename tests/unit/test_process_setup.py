@@ -55,6 +55,8 @@ def test_kept_freed_memory_is_not_faulted_in_again_and_the_flag_leaves_glibc_alo
     """In a fresh process (the setting is process-wide): glibc's defaults fault a repeated 192 MiB in every round;
     ``keep_freed_memory(False, cpu)`` changes nothing; ``keep_freed_memory(True, cpu)`` stops the faults, of the
     blocks above glibc's largest mmap threshold too."""
+    on_gpu = process_setup.keep_freed_memory(True, torch.device("cuda"))  # builds no CUDA context
+    assert on_gpu == process_setup.FreedMemorySetting(False, "glibc's default trimming (the activations live on cuda)")
     if process_setup._glibc() is None:
         setting = process_setup.keep_freed_memory(True, torch.device("cpu"))
         assert not setting.kept and "not glibc" in setting.reason
