@@ -41,7 +41,7 @@ def device_type_of(tensor: torch.Tensor) -> str:
 
     The one place the choice reads it, so a CPU-only test can make CPU tensors look like CUDA ones and
     drive every wrapper's CUDA branch into a stand-in CUDA twin (tests/unit/test_kernels_cuda_bindings.py).
-    ``is_cpu`` answers the common case without building a ``torch.device`` (a tenth of the time).
+    ``is_cpu`` answers the common case without building a ``torch.device`` (several times as costly).
     """
     return "cpu" if tensor.is_cpu else tensor.device.type
 

@@ -2,8 +2,8 @@
 
 Each ``csrc/<name>.cpp`` is built (at install) into the module ``megatron_like._csrc.<name>``. Wrappers
 ask :func:`load` for it on every call, so ``MEGATRON_LIKE_NO_CSRC=1`` forces the pure-PyTorch fallbacks.
-The variable is read once, when this module is imported, because reading ``os.environ`` on every fused op
-cost more than the rest of the op's choice of kernel; :func:`refresh_environment` is the one way to re-read
+The variable is read once, when this module is imported: reading ``os.environ`` on every fused op was a third
+of the cost of the op's choice of kernel (docs/kernels.md). :func:`refresh_environment` is the one way to re-read
 it in a running process (``pretrain()`` calls it at start-up; tests call it after ``monkeypatch.setenv``,
 and tests/conftest.py after every test, when monkeypatch has put the environment back).
 
