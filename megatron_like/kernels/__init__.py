@@ -1,10 +1,11 @@
 """Fused kernels (C++ with runtime AVX-512/AVX2 dispatch, built from ``csrc/``) with PyTorch fallbacks.
 
 Every op picks the compiled path for CPU float tensors and a pure-PyTorch implementation of the same
-contract otherwise (other devices, missing build, or ``MEGATRON_LIKE_NO_CSRC=1``). See docs/kernels.md.
+contract otherwise (other devices, missing build, or ``MEGATRON_LIKE_NO_CSRC=1``, read at import and by
+``refresh_environment()``). See docs/kernels.md.
 """
 
-from megatron_like.kernels._loader import csrc_available, csrc_disabled, csrc_isa
+from megatron_like.kernels._loader import csrc_available, csrc_disabled, csrc_isa, refresh_environment
 from megatron_like.kernels.bias_gelu import bias_gelu
 from megatron_like.kernels.cpu_adam import CPUAdam, adam_step_
 from megatron_like.kernels.cross_entropy import fused_vocab_cross_entropy
@@ -29,6 +30,7 @@ __all__ = [
     "fused_vocab_cross_entropy",
     "grouped_gemm",
     "layer_norm",
+    "refresh_environment",
     "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax",
 ]

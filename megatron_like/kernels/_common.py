@@ -22,12 +22,18 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 
 
+def _not_exporting() -> bool:
+    return False
+
+
+# Looked up once: the choice of kernel runs on every fused op, and these are its cost after the tensor checks.
+_is_compiling = torch.compiler.is_compiling
+_is_exporting = getattr(torch.compiler, "is_exporting", _not_exporting)
+
+
 def _tracing() -> bool:
     """Whether torch.compile or torch.export is tracing (tensors are fake: no data pointers)."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is None:
-        return False
-    return compiler.is_compiling() or (hasattr(compiler, "is_exporting") and compiler.is_exporting())
+    return _is_compiling() or _is_exporting()
 
 
 def device_type_of(tensor: torch.Tensor) -> str:
@@ -35,8 +41,9 @@ def device_type_of(tensor: torch.Tensor) -> str:
 
     The one place the choice reads it, so a CPU-only test can make CPU tensors look like CUDA ones and
     drive every wrapper's CUDA branch into a stand-in CUDA twin (tests/unit/test_kernels_cuda_bindings.py).
+    ``is_cpu`` answers the common case without building a ``torch.device`` (several times as costly).
     """
-    return tensor.device.type
+    return "cpu" if tensor.is_cpu else tensor.device.type
 
 
 def cpu_supported(*tensors: torch.Tensor | None) -> bool:

@@ -1,8 +1,11 @@
 """Lazy access to the compiled kernels in ``megatron_like._csrc`` with a single warning when missing.
 
 Each ``csrc/<name>.cpp`` is built (at install) into the module ``megatron_like._csrc.<name>``. Wrappers
-ask :func:`load` for it on every call, so ``MEGATRON_LIKE_NO_CSRC=1`` (read at call time, which lets
-tests flip it with ``monkeypatch.setenv``) forces the pure-PyTorch fallbacks at any moment.
+ask :func:`load` for it on every call, so ``MEGATRON_LIKE_NO_CSRC=1`` forces the pure-PyTorch fallbacks.
+The variable is read once, when this module is imported: reading ``os.environ`` on every fused op was a third
+of the cost of the op's choice of kernel (docs/kernels.md). :func:`refresh_environment` is the one way to re-read
+it in a running process (``pretrain()`` calls it at start-up; tests call it after ``monkeypatch.setenv``,
+and tests/conftest.py after every test, when monkeypatch has put the environment back).
 
 ``MEGATRON_LIKE_ISA=avx512|avx2|scalar`` forces the vector path of every kernel module: :func:`load`
 pins each module to it when it first imports it (an error if the CPU lacks that path). This is the one
@@ -32,9 +35,27 @@ _cache: dict[str, ModuleType | None] = {}
 _warned = False
 
 
-def csrc_disabled() -> bool:
-    """Return True when ``MEGATRON_LIKE_NO_CSRC`` asks for the fallbacks."""
+def _read_no_csrc() -> bool:
     return os.environ.get(NO_CSRC_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+_no_csrc = _read_no_csrc()
+"""``MEGATRON_LIKE_NO_CSRC`` as read at import or by the last :func:`refresh_environment`."""
+
+
+def refresh_environment() -> None:
+    """Re-read ``MEGATRON_LIKE_NO_CSRC``: the one way a change of it in a running process takes effect.
+
+    (``MEGATRON_LIKE_ISA`` needs no refresh: it is read when a module is first loaded and by
+    :func:`set_csrc_isa`, never per op.)
+    """
+    global _no_csrc
+    _no_csrc = _read_no_csrc()
+
+
+def csrc_disabled() -> bool:
+    """Return True when ``MEGATRON_LIKE_NO_CSRC`` asks for the fallbacks (as of the last refresh)."""
+    return _no_csrc
 
 
 def _warn_missing(name: str, error: Exception) -> None:
@@ -93,7 +114,7 @@ def load(name: str) -> ModuleType | None:
     On first import a CPU module is pinned to :func:`default_isa` (``MEGATRON_LIKE_ISA`` or the CPU's
     widest); a CUDA twin (``cuda_<op>``) binds only its kernels and is used as imported.
     """
-    if csrc_disabled():
+    if _no_csrc:
         return None
     if name not in _cache:
         try:

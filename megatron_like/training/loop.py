@@ -1,6 +1,7 @@
 """The training loop: ``pretrain()`` in Megatron's shape.
 
-Order of one run: (flag and path checks) -> process groups -> the lock of ``--save`` -> seeds -> model
+Order of one run: (flag and path checks) -> process groups -> glibc keeps freed memory (CPU,
+``process_setup.py``) -> the lock of ``--save`` -> seeds -> model
 chunks -> optimizer and schedule -> (validate the checkpoint on every rank, resume) ->
 data iterators -> steps (forward/backward schedule, gradient reductions, every rank's bad-step verdict
 (``bad_steps.py``), clipping, AdamW, lr) with the log line, evaluation and checkpoints at their intervals.
@@ -24,6 +25,7 @@ from megatron_like import collectives as comm
 from megatron_like.config import Config, ConfigError
 from megatron_like.data.samplers import build_pretraining_data_loader
 from megatron_like.distributed import gathered_parameters
+from megatron_like.kernels import refresh_environment as refresh_kernel_environment
 from megatron_like.model import chunk_layers
 from megatron_like.model.moe import reduce_aux_losses, reset_aux_losses, set_aux_loss_backward_scale
 from megatron_like.model.moe.expert_bias import routers_with_expert_bias, update_expert_biases
@@ -50,6 +52,7 @@ from megatron_like.training.lr_schedule import LearningRateScheduler
 from megatron_like.training.metrics import flops_per_token
 from megatron_like.training.parallelize import check_training_flags, parallelize
 from megatron_like.training.preflight import check_run_paths
+from megatron_like.training.process_setup import keep_freed_memory
 from megatron_like.training.signals import SAVE_FAILED, ExitConditions, saving
 from megatron_like.training.signals import beat as watchdog_beat
 from megatron_like.training.stragglers import StragglerReport
@@ -331,7 +334,9 @@ def pretrain(config: Config, model_provider: ModelProvider, forward_step_func: C
              padded_vocab_size: int | None = None) -> TrainingResult:
     """Train ``config.training.train_iters`` steps; see the module docstring for the order of events."""
     check_supported(config)
+    refresh_kernel_environment()  # MEGATRON_LIKE_NO_CSRC as it is now, should this process have changed it
     ps = ps or ParallelState.initialize(config.parallel, config.world_size)
+    print_rank(ps, f" > {keep_freed_memory(config.training.keep_freed_memory, ps.device).reason}")
     lock = hold_checkpoint_directory(config.checkpoint.save, ps)  # one job per --save directory
     install_faults(config.resilience.inject_fault)  # a test tool; empty (off) unless --inject-fault is given
     seed_everything(config.training.seed, ps.tp_rank, ps.pp_rank, ps.device.type)

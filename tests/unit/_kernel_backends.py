@@ -8,8 +8,6 @@ params (the README setup must build csrc/) unless MEGATRON_LIKE_NO_CSRC was set 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -25,6 +23,8 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     torch.manual_seed(1234)  # tests that draw without a generator stay reproducible
     if name == "fallback":
         monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+        _loader.refresh_environment()  # tests/conftest.py refreshes again once monkeypatch has undone it
+        assert _loader.load("layer_norm") is None, "the fallback param would run the compiled kernels"
         yield name
         return
     if _loader.csrc_disabled():
@@ -45,4 +45,4 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
 
 def compiled(backend_name: str) -> bool:
     """Return whether the compiled kernels run under this backend param."""
-    return backend_name != "fallback" and not os.environ.get(_loader.NO_CSRC_ENV)
+    return backend_name != "fallback" and not _loader.csrc_disabled()

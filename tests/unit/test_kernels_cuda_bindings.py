@@ -95,6 +95,7 @@ def stand_in(op: str) -> StandIn:
 def cuda_twins(monkeypatch: pytest.MonkeyPatch) -> dict[str, StandIn]:
     """Install a stand-in for every ``.cu`` file and make every tensor look like a CUDA tensor."""
     monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    _loader.refresh_environment()
     monkeypatch.setattr(_loader, "_cache", {})
     twins = {}
     for source in sorted(CUDA_DIR.glob("*.cu")):

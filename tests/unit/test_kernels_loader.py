@@ -13,12 +13,14 @@ from megatron_like.kernels import _loader, layer_norm
 
 def test_no_csrc_env_forces_fallback(monkeypatch):
     monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+    _loader.refresh_environment()
     assert _loader.load("layer_norm") is None
     assert not _loader.csrc_available()
 
 
 def test_missing_extension_warns_once_and_falls_back(monkeypatch):
     monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    _loader.refresh_environment()
     monkeypatch.setattr(_loader, "_cache", {})
     monkeypatch.setattr(_loader, "_warned", False)
     real_import = importlib.import_module
@@ -43,6 +45,7 @@ def test_missing_extension_warns_once_and_falls_back(monkeypatch):
 
 def test_compiled_modules_report_and_pin_isa(monkeypatch):
     monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    _loader.refresh_environment()
     if not _loader.csrc_available():
         pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
     module = _loader.load("scaled_masked_softmax")
@@ -55,3 +58,30 @@ def test_compiled_modules_report_and_pin_isa(monkeypatch):
         _loader.set_csrc_isa(None)
     assert module.isa() == _loader.default_isa(module) == (_loader.forced_isa() or best)
     assert module.openmp()
+
+
+def test_no_csrc_is_read_once_until_refresh_environment(monkeypatch):
+    """The per-op choice reads no environment: a change takes effect at ``refresh_environment()``, both ways."""
+    monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    _loader.refresh_environment()
+    if not _loader.csrc_available():
+        pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
+    monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+    assert _loader.load("layer_norm") is not None and not _loader.csrc_disabled()
+    _loader.refresh_environment()
+    assert _loader.load("layer_norm") is None and _loader.csrc_disabled()
+    monkeypatch.setenv(_loader.NO_CSRC_ENV, "0")
+    _loader.refresh_environment()
+    assert _loader.load("layer_norm") is not None
+
+
+def test_set_no_csrc_and_leave_it_to_monkeypatch(monkeypatch):
+    """The first half of the next test: leaves the kernels disabled when its body ends."""
+    monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+    _loader.refresh_environment()
+    assert _loader.csrc_disabled()
+
+
+def test_a_test_that_set_no_csrc_leaves_no_stale_choice():
+    """Runs after the test above (file order): tests/conftest.py re-read the variable once monkeypatch restored it."""
+    assert _loader.csrc_disabled() == _loader._read_no_csrc()

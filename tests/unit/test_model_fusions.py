@@ -50,6 +50,7 @@ def test_llama_kernels_match_pytorch_ops(monkeypatch):
     from megatron_like.kernels import _common, _loader
 
     monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
+    _loader.refresh_environment()
     if not _loader.csrc_available():
         pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
     used = set()
@@ -64,6 +65,7 @@ def test_llama_kernels_match_pytorch_ops(monkeypatch):
     loss, grads = loss_and_grads(**LLAMA)
     assert {"rms_norm", "swiglu", "rotary"} <= used
     monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
+    _loader.refresh_environment()
     reference_loss, reference_grads = loss_and_grads(**LLAMA)
     torch.testing.assert_close(loss, reference_loss, rtol=1e-5, atol=1e-6)
     for name, grad in reference_grads.items():
