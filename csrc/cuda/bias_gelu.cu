@@ -21,14 +21,12 @@ __global__ void bias_gelu_forward_kernel(const T* __restrict__ x, const T* __res
   }
 }
 
-// dx = dy * gelu'(x + bias), and dbias = column sums of dx in the same pass: a block owns kColumnTile adjacent
-// columns and spreads the rows over kRowLanes warps (as the norms' weight gradients, rms_norm.cu); the lanes'
-// partial sums are added in shared memory in a fixed order (deterministic).
+// dx = dy * gelu'(x + bias), and dbias = column sums of dx in the same pass, as a column reduction (common.cuh:
+// sum_over_row_lanes; the tile is 32 of the ffn columns).
 template <class T>
 __global__ void bias_gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                           const T* __restrict__ bias, T* __restrict__ dx, T* __restrict__ dbias,
                                           std::int64_t n, std::int64_t h) {
-  __shared__ float lanes[kRowLanes][kColumnTile + 1];
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   float acc = 0.0f;
   if (j < h) {
@@ -43,14 +41,9 @@ __global__ void bias_gelu_backward_kernel(const T* __restrict__ dy, const T* __r
       acc += g;
     }
   }
-  if (dbias == nullptr) return;  // uniform over the block: no thread waits at the barrier below
-  lanes[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < h) {
-    float sum = 0.0f;
-    for (int lane = 0; lane < kRowLanes; ++lane) sum += lanes[lane][threadIdx.x];
-    dbias[j] = from_float<T>(sum);
-  }
+  if (dbias == nullptr) return;  // uniform over the block: no thread waits at a barrier alone
+  const float sum = sum_over_row_lanes(acc);
+  if (threadIdx.y == 0 && j < h) dbias[j] = from_float<T>(sum);
 }
 
 void bias_gelu_forward(std::uintptr_t x, std::uintptr_t bias, std::uintptr_t y, std::int64_t n, std::int64_t h,

@@ -76,16 +76,14 @@ __global__ void layer_norm_backward_input_kernel(const T* __restrict__ dy, const
   }
 }
 
-// Column sums: dgamma = sum(dy * xhat), dbeta = sum(dy), dx_bias = sum(ds). A block owns kColumnTile adjacent
-// columns (coalesced reads along a row) and spreads the rows over kRowLanes warps; the lanes' partial sums are
-// added in shared memory in a fixed order (deterministic). See rms_norm.cu for why not one thread per column.
+// Column sums: dgamma = sum(dy * xhat), dbeta = sum(dy), dx_bias = sum(ds), as column reductions (common.cuh:
+// sum_over_row_lanes).
 template <class T>
 __global__ void layer_norm_backward_params_kernel(const T* __restrict__ dy, const T* __restrict__ s,
                                                   const T* __restrict__ ds, const float* __restrict__ mean,
                                                   const float* __restrict__ rstd, T* __restrict__ dgamma,
                                                   T* __restrict__ dbeta, T* __restrict__ dx_bias, std::int64_t n,
                                                   std::int64_t h) {
-  __shared__ float lanes[3][kRowLanes][kColumnTile + 1];
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   float g = 0.0f, b = 0.0f, xb = 0.0f;
   if (j < h) {
@@ -97,17 +95,10 @@ __global__ void layer_norm_backward_params_kernel(const T* __restrict__ dy, cons
       if (dx_bias != nullptr) xb += to_float(ds[r * h + j]);
     }
   }
-  lanes[0][threadIdx.y][threadIdx.x] = g;
-  lanes[1][threadIdx.y][threadIdx.x] = b;
-  lanes[2][threadIdx.y][threadIdx.x] = xb;
-  __syncthreads();
+  g = sum_over_row_lanes(g);
+  b = sum_over_row_lanes(b);
+  xb = sum_over_row_lanes(xb);
   if (threadIdx.y != 0 || j >= h) return;
-  g = b = xb = 0.0f;
-  for (int lane = 0; lane < kRowLanes; ++lane) {
-    g += lanes[0][lane][threadIdx.x];
-    b += lanes[1][lane][threadIdx.x];
-    xb += lanes[2][lane][threadIdx.x];
-  }
   dgamma[j] = from_float<T>(g);
   dbeta[j] = from_float<T>(b);
   if (dx_bias != nullptr) dx_bias[j] = from_float<T>(xb);

@@ -44,15 +44,11 @@ __global__ void rms_norm_backward_input_kernel(const T* __restrict__ dy, const T
   }
 }
 
-// dw[j] = sum over rows of dy * round(x * rstd). A block owns kColumnTile adjacent columns (coalesced reads
-// along a row) and spreads the rows over kRowLanes warps, then adds the lanes' partial sums in shared memory in
-// a fixed order (deterministic). One thread per column walking all n rows left ~4 blocks busy for h = 1024 and
-// took 1.6 ms for 8192 rows on an H200 (60% of a Llama step); see docs/kernels.md.
+// dw[j] = sum over rows of dy * round(x * rstd), as a column reduction (common.cuh: sum_over_row_lanes).
 template <class T>
 __global__ void rms_norm_backward_weight_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                                 const float* __restrict__ rstd, T* __restrict__ dw, std::int64_t n,
                                                 std::int64_t h) {
-  __shared__ float lanes[kRowLanes][kColumnTile + 1];
   const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * kColumnTile + threadIdx.x;
   float acc = 0.0f;
   if (j < h) {
@@ -60,13 +56,8 @@ __global__ void rms_norm_backward_weight_kernel(const T* __restrict__ dy, const 
     for (std::int64_t r = threadIdx.y; r < n; r += kRowLanes)
       acc += to_float(dy[r * h + j]) * to_float(from_float<T>(to_float(x[r * h + j]) * rstd[r]));
   }
-  lanes[threadIdx.y][threadIdx.x] = acc;
-  __syncthreads();
-  if (threadIdx.y == 0 && j < h) {
-    float sum = 0.0f;
-    for (int lane = 0; lane < kRowLanes; ++lane) sum += lanes[lane][threadIdx.x];
-    dw[j] = from_float<T>(sum);
-  }
+  const float sum = sum_over_row_lanes(acc);
+  if (threadIdx.y == 0 && j < h) dw[j] = from_float<T>(sum);
 }
 
 void rms_norm_forward(std::uintptr_t x, std::uintptr_t w, std::uintptr_t out, std::uintptr_t rstd, std::int64_t n,
