@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_like.kernels import _loader
+from megatron_like.kernels import _common, _loader
 
 
 @pytest.fixture(autouse=True)
@@ -18,3 +18,19 @@ def kernel_environment_as_set():
     _loader.refresh_environment()
     yield
     _loader.refresh_environment()
+
+
+@pytest.fixture
+def compiled_modules_loaded(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the compiled modules the kernel wrappers load from now on (a wrapper that silently took its
+    PyTorch path leaves its module out, so tests assert on the set)."""
+    used: set[str] = set()
+
+    def spy_load(name: str):
+        module = _loader.load(name)
+        if module is not None:
+            used.add(name)
+        return module
+
+    monkeypatch.setattr(_common, "load", spy_load)
+    return used

@@ -44,24 +44,16 @@ LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=Tru
              num_query_groups=2, disable_bias_linear=True, rotary_percent=0.5)
 
 
-def test_llama_kernels_match_pytorch_ops(monkeypatch):
+def test_llama_kernels_match_pytorch_ops(monkeypatch, compiled_modules_loaded):
     """With csrc a Llama-style model runs the fused RMSNorm, SwiGLU and rotary kernels (partial rotary here),
     and its loss and gradients equal those of the PyTorch ops (MEGATRON_LIKE_NO_CSRC=1)."""
-    from megatron_like.kernels import _common, _loader
+    from megatron_like.kernels import _loader
 
     monkeypatch.delenv(_loader.NO_CSRC_ENV, raising=False)
     _loader.refresh_environment()
     if not _loader.csrc_available():
         pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
-    used = set()
-
-    def spy_load(name):
-        module = _loader.load(name)
-        if module is not None:
-            used.add(name)
-        return module
-
-    monkeypatch.setattr(_common, "load", spy_load)
+    used = compiled_modules_loaded
     loss, grads = loss_and_grads(**LLAMA)
     assert {"rms_norm", "swiglu", "rotary"} <= used
     monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_like.kernels import _common, _loader
+from megatron_like.kernels import _loader
 from megatron_like.training import process_setup
 from tests.distributed.gpt_runs import train_gpt
 
@@ -77,20 +77,13 @@ def test_kept_freed_memory_is_not_faulted_in_again_and_the_flag_leaves_glibc_alo
     assert "--no-keep-freed-memory" in report["kept"][2]
 
 
-def test_pretrain_keeps_freed_memory_on_cpu_and_rereads_the_kernel_environment(monkeypatch):
+def test_pretrain_keeps_freed_memory_on_cpu_and_rereads_the_kernel_environment(monkeypatch,
+                                                                                 compiled_modules_loaded):
     """pretrain() makes the setting (recorded per call) unless --no-keep-freed-memory, and the kernels see
     MEGATRON_LIKE_NO_CSRC as it is when training starts, though nothing refreshed them after it was set."""
     if not _loader.csrc_available():
         pytest.fail("compiled kernels are not built: run `pip install -e . --no-build-isolation`")
-    used = set()
-
-    def spy_load(name):
-        module = _loader.load(name)
-        if module is not None:
-            used.add(name)
-        return module
-
-    monkeypatch.setattr(_common, "load", spy_load)
+    used = compiled_modules_loaded
     monkeypatch.setattr(process_setup, "_applied", None)  # not what an earlier test's pretrain() did
     monkeypatch.setenv(_loader.NO_CSRC_ENV, "1")
     flags = ["--train-iters", "1", "--global-batch-size", "2"]
